@@ -1,0 +1,1 @@
+"""Carry out a plan: Keras distributions that serve its layouts."""

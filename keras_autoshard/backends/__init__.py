@@ -1,0 +1,1 @@
+"""Backend-specific code; nothing outside `backends.jax` imports JAX."""

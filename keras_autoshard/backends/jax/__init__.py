@@ -1,0 +1,1 @@
+"""JAX backend: compiled-program reports, abstract tracing."""

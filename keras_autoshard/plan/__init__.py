@@ -1,0 +1,1 @@
+"""Sharding plans: plain data describing how each tensor is cut over a mesh."""

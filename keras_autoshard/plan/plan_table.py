@@ -1,0 +1,70 @@
+"""Render a `ShardingPlan` as a text table."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from rich.table import Table
+
+from keras_autoshard.plan.sharding_plan import ShardingPlan
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Human-readable byte count with binary units (`"1.50 MiB"`)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _spec_text(spec) -> str:
+    return "(" + ", ".join("-" if a is None else a for a in spec) + ")"
+
+
+def _roles_text(roles) -> str:
+    return "(" + ", ".join("?" if r is None else r for r in roles) + ")"
+
+
+def build_plan_table(plan: ShardingPlan, max_rows: int | None = None) -> Table:
+    """A `rich.table.Table` of the plan, one row per variable plus totals."""
+    table = Table(
+        title=f"Sharding plan on mesh {plan.mesh.describe()}"
+        + (f", batch on {plan.batch_axis!r}" if plan.batch_axis else ""),
+        show_footer=True,
+    )
+    total = plan.total_bytes()
+    per_device = plan.bytes_per_device()
+    table.add_column("variable", footer=f"{len(plan.variables)} variables")
+    table.add_column("shape")
+    table.add_column("spec", footer="total / per device")
+    table.add_column("roles")
+    table.add_column("bytes/device", justify="right", footer=format_bytes(per_device))
+    table.add_column("total", justify="right", footer=format_bytes(total))
+    rows = plan.variables if max_rows is None else plan.variables[:max_rows]
+    for v in rows:
+        table.add_row(
+            v.path,
+            "x".join(str(s) for s in v.shape) or "scalar",
+            _spec_text(v.spec),
+            _roles_text(v.roles),
+            format_bytes(v.bytes_per_device(plan.mesh)),
+            format_bytes(v.total_bytes),
+        )
+    if max_rows is not None and len(plan.variables) > max_rows:
+        table.add_row(f"... {len(plan.variables) - max_rows} more", "", "", "", "", "")
+    return table
+
+
+def render_plan_table(plan: ShardingPlan, max_rows: int | None = None) -> str:
+    """The plan table as plain text, plus activation layouts and notes."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=160, color_system=None, force_terminal=False)
+    console.print(build_plan_table(plan, max_rows=max_rows))
+    for a in plan.activations:
+        console.print(f"activation {a.path}: {_spec_text(a.spec)}")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    return buffer.getvalue()

@@ -1,0 +1,418 @@
+"""`ShardingPlan`: which mesh axis shards which dimension of which tensor.
+
+A plan is plain, immutable data. It names the mesh (shape and axis names),
+gives every model variable a partition spec (one mesh axis name or `None` per
+dimension) with the logical role of each dimension where known, and lists
+activation layouts (layer outputs) that pin the partitioner's choices. It can
+be printed, saved as JSON, turned into a Keras `LayoutMap`, and checked against
+a model. It does not import any backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+FORMAT_NAME = "keras-autoshard/sharding-plan"
+FORMAT_VERSION = 1
+
+# Bytes per element for dtype names as Keras spells them.
+_DTYPE_BYTES = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied as written; the message says what to do."""
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name such as `"float32"`.
+
+    Args:
+        dtype: Dtype name as Keras spells it.
+
+    Returns:
+        The size of one element in bytes.
+    """
+    name = str(dtype)
+    if name not in _DTYPE_BYTES:
+        raise PlanError(f"Unknown dtype {name!r}; known: {sorted(_DTYPE_BYTES)}.")
+    return _DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Shape and axis names of a device mesh, without the devices.
+
+    Args:
+        shape: Number of devices along each mesh axis.
+        axis_names: One name per mesh axis.
+
+    Example:
+
+    ```python
+    mesh = MeshSpec(shape=(2, 4), axis_names=("batch", "model"))
+    mesh.axis_size("model")  # 4
+    ```
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "axis_names", tuple(str(a) for a in self.axis_names))
+        if len(self.shape) != len(self.axis_names):
+            raise PlanError(
+                f"Mesh shape {self.shape} has {len(self.shape)} axes but "
+                f"{len(self.axis_names)} axis names {self.axis_names} were given."
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise PlanError(f"Mesh axis names must be distinct: {self.axis_names}.")
+        if any(size < 1 for size in self.shape):
+            raise PlanError(f"Mesh axis sizes must be >= 1: {self.shape}.")
+
+    @property
+    def device_count(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_size(self, axis_name: str) -> int:
+        """Number of devices along `axis_name`."""
+        if axis_name not in self.axis_names:
+            raise PlanError(
+                f"Unknown mesh axis {axis_name!r}; the mesh has axes "
+                f"{self.axis_names} with sizes {self.shape}."
+            )
+        return self.shape[self.axis_names.index(axis_name)]
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableSharding:
+    """The layout of one variable.
+
+    Args:
+        path: The variable's `path` (e.g. `"dense/kernel"`).
+        shape: The variable's global shape.
+        dtype: The variable's dtype name.
+        spec: One mesh axis name, or `None` (replicated), per dimension.
+        roles: The logical role of each dimension (`"heads"`, `"mlp"`,
+            `"vocab"`, `"embed"`, `"batch"`, ...) or `None` when unknown.
+        reason: Why the planner chose this spec (empty for hand-written plans).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[str | None, ...]
+    roles: tuple[str | None, ...] = ()
+    reason: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "spec", tuple(self.spec))
+        roles = tuple(self.roles) if self.roles else (None,) * len(self.shape)
+        object.__setattr__(self, "roles", roles)
+        object.__setattr__(self, "dtype", str(self.dtype))
+
+    @property
+    def total_bytes(self) -> int:
+        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+
+    def shard_factor(self, mesh: MeshSpec) -> int:
+        """Into how many pieces the spec cuts this variable on `mesh`."""
+        return math.prod(mesh.axis_size(a) for a in self.spec if a is not None)
+
+    def bytes_per_device(self, mesh: MeshSpec) -> int:
+        return self.total_bytes // self.shard_factor(mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationLayout:
+    """A layout constraint on a layer output.
+
+    Args:
+        path: The Keras layer path followed by `/output`
+            (e.g. `"transformer_layer_0/output"`), as Keras asks
+            `Distribution.get_tensor_layout` for it.
+        spec: One mesh axis name, or `None`, per dimension of the output.
+    """
+
+    path: str
+    spec: tuple[str | None, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "spec", tuple(self.spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Plain-data sharding plan for one model on one mesh shape.
+
+    Args:
+        mesh: The mesh the plan is for.
+        variables: One `VariableSharding` per model variable.
+        batch_axis: Mesh axis that splits the batch dimension of the inputs,
+            or `None` to replicate inputs.
+        activations: Layout constraints on layer outputs.
+        notes: Planner remarks a person should read (replicated KV heads,
+            vocabularies that do not divide, ...).
+
+    Example:
+
+    ```python
+    plan = ShardingPlan(
+        mesh=MeshSpec((2, 4), ("batch", "model")),
+        batch_axis="batch",
+        variables=(
+            VariableSharding("up/kernel", (64, 256), "float32", (None, "model")),
+            VariableSharding("down/kernel", (256, 64), "float32", ("model", None)),
+        ),
+    )
+    print(plan.summary())
+    plan2 = ShardingPlan.from_json(plan.to_json())
+    assert plan2 == plan
+    ```
+    """
+
+    mesh: MeshSpec
+    variables: tuple[VariableSharding, ...]
+    batch_axis: str | None = None
+    activations: tuple[ActivationLayout, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        variables = tuple(sorted(self.variables, key=lambda v: v.path))
+        paths = [v.path for v in variables]
+        duplicates = sorted({p for p in paths if paths.count(p) > 1})
+        if duplicates:
+            raise PlanError(f"Plan lists these variables twice: {duplicates}.")
+        object.__setattr__(self, "variables", variables)
+        activations = tuple(sorted(self.activations, key=lambda a: a.path))
+        object.__setattr__(self, "activations", activations)
+        object.__setattr__(self, "notes", tuple(self.notes))
+        if self.batch_axis is not None:
+            self.mesh.axis_size(self.batch_axis)
+
+    # ----------------------------------------------------------------- lookups
+    def variable(self, path: str) -> VariableSharding:
+        """The `VariableSharding` for `path`; raises `KeyError` naming it."""
+        found = self._by_path().get(path)
+        if found is None:
+            raise KeyError(f"Variable {path!r} is not in the plan.")
+        return found
+
+    def get(self, path: str) -> VariableSharding | None:
+        return self._by_path().get(path)
+
+    def activation(self, path: str) -> ActivationLayout | None:
+        for layout in self.activations:
+            if layout.path == path:
+                return layout
+        return None
+
+    def _by_path(self) -> dict[str, VariableSharding]:
+        # Frozen dataclass: cache the index on first use.
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {v.path: v for v in self.variables}
+            object.__setattr__(self, "_index", index)
+        return index
+
+    # ------------------------------------------------------------------ bytes
+    def bytes_per_device(self) -> int:
+        """Bytes of all planned variables held by each device."""
+        return sum(v.bytes_per_device(self.mesh) for v in self.variables)
+
+    def total_bytes(self) -> int:
+        return sum(v.total_bytes for v in self.variables)
+
+    # ---------------------------------------------------------------- editing
+    def replace_specs(
+        self, specs: Mapping[str, Sequence[str | None]], reason: str = "user rule"
+    ) -> ShardingPlan:
+        """A copy of this plan with the given variables' specs replaced."""
+        unknown = sorted(set(specs) - set(self._by_path()))
+        if unknown:
+            raise PlanError(f"Cannot replace specs of variables not in plan: {unknown}")
+        variables = tuple(
+            dataclasses.replace(v, spec=tuple(specs[v.path]), reason=reason)
+            if v.path in specs
+            else v
+            for v in self.variables
+        )
+        return dataclasses.replace(self, variables=variables)
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "mesh": {
+                "shape": list(self.mesh.shape),
+                "axis_names": list(self.mesh.axis_names),
+            },
+            "batch_axis": self.batch_axis,
+            "variables": [
+                {
+                    "path": v.path,
+                    "shape": list(v.shape),
+                    "dtype": v.dtype,
+                    "spec": list(v.spec),
+                    "roles": list(v.roles),
+                    "reason": v.reason,
+                }
+                for v in self.variables
+            ],
+            "activations": [
+                {"path": a.path, "spec": list(a.spec)} for a in self.activations
+            ],
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Stable JSON text (sorted variables, fixed key order)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        if data.get("format") != FORMAT_NAME:
+            raise PlanError(
+                f"Not a sharding plan: format is {data.get('format')!r}, "
+                f"expected {FORMAT_NAME!r}."
+            )
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            raise PlanError(
+                f"Sharding plan format version {version} is not supported by "
+                f"this keras-autoshard (reads version {FORMAT_VERSION}). "
+                "Re-create the plan with this version."
+            )
+        mesh = MeshSpec(tuple(data["mesh"]["shape"]), tuple(data["mesh"]["axis_names"]))
+        variables = tuple(
+            VariableSharding(
+                path=v["path"],
+                shape=tuple(v["shape"]),
+                dtype=v["dtype"],
+                spec=tuple(v["spec"]),
+                roles=tuple(v.get("roles") or ()),
+                reason=v.get("reason", ""),
+            )
+            for v in data["variables"]
+        )
+        activations = tuple(
+            ActivationLayout(a["path"], tuple(a["spec"]))
+            for a in data.get("activations", ())
+        )
+        return cls(
+            mesh=mesh,
+            variables=variables,
+            batch_axis=data.get("batch_axis"),
+            activations=activations,
+            notes=tuple(data.get("notes", ())),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        """Write the plan as JSON to `path`."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str) -> ShardingPlan:
+        """Read a plan written by `save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    # ------------------------------------------------------------ conversions
+    def to_layout_map(self, device_mesh):
+        """A Keras `LayoutMap` with one exact-path entry per variable/activation.
+
+        Args:
+            device_mesh: A `keras.distribution.DeviceMesh` whose shape and axis
+                names match the plan's mesh.
+
+        Returns:
+            A `keras.distribution.LayoutMap`.
+        """
+        from keras.distribution import LayoutMap, TensorLayout
+
+        check_mesh_matches(self.mesh, device_mesh)
+        layout_map = LayoutMap(device_mesh)
+        for v in self.variables:
+            layout_map[re.escape(v.path)] = TensorLayout(v.spec, device_mesh)
+        for a in self.activations:
+            layout_map[re.escape(a.path)] = TensorLayout(a.spec, device_mesh)
+        return layout_map
+
+    def summary(self, max_rows: int | None = None) -> str:
+        """The plan as a text table (path, shape, spec, roles, bytes per device)."""
+        from keras_autoshard.plan.plan_table import render_plan_table
+
+        return render_plan_table(self, max_rows=max_rows)
+
+    def validate(self, model) -> None:
+        """Check that this plan fits `model`; raise `PlanError` listing each problem.
+
+        Checks: every model variable is in the plan with the same shape, no
+        plan entry names a variable the model lacks, every spec has one entry
+        per dimension, names existing mesh axes, uses no mesh axis twice, and
+        cuts only dimensions divisible by their mesh axis size.
+
+        Args:
+            model: A built `keras.Model` (or anything with `.variables`).
+        """
+        from keras_autoshard.plan.validation import validate_plan_against_variables
+
+        validate_plan_against_variables(self, unique_variables(model.variables))
+
+
+def unique_variables(variables: Iterable) -> list:
+    """Variables without repeats (tied weights appear once)."""
+    seen: set[int] = set()
+    result = []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            result.append(variable)
+    return result
+
+
+def check_mesh_matches(mesh: MeshSpec, device_mesh) -> None:
+    """Raise `PlanError` if a Keras `DeviceMesh` differs from the plan's mesh."""
+    shape = tuple(device_mesh.shape)
+    names = tuple(device_mesh.axis_names)
+    if shape != mesh.shape or names != mesh.axis_names:
+        raise PlanError(
+            f"The plan is for mesh {mesh.describe()} but the device mesh is "
+            f"{' x '.join(f'{n}={s}' for n, s in zip(names, shape))}. Re-plan "
+            "for this mesh, or build the DeviceMesh with the plan's shape and "
+            "axis names."
+        )

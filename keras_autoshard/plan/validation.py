@@ -1,0 +1,126 @@
+"""Checks that a `ShardingPlan` is well formed and fits a model's variables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keras_autoshard.plan.sharding_plan import (
+    MeshSpec,
+    PlanError,
+    ShardingPlan,
+    VariableSharding,
+)
+
+
+def spec_problems(
+    path: str, shape: Sequence[int], spec: Sequence[str | None], mesh: MeshSpec
+) -> list[str]:
+    """Problems with one variable's spec on `mesh`, one sentence each.
+
+    Args:
+        path: Variable path, for the messages.
+        shape: The variable's global shape.
+        spec: One mesh axis name or `None` per dimension.
+        mesh: The mesh the spec refers to.
+
+    Returns:
+        A list of messages; empty when the spec is valid.
+    """
+    problems = []
+    if len(spec) != len(shape):
+        return [
+            f"{path}: spec {tuple(spec)} has {len(spec)} entries but the variable "
+            f"has shape {tuple(shape)} ({len(shape)} dims); give one mesh axis "
+            "name or None per dimension."
+        ]
+    used: dict[str, int] = {}
+    for dim, axis in enumerate(spec):
+        if axis is None:
+            continue
+        if axis not in mesh.axis_names:
+            problems.append(
+                f"{path}: dim {dim} names mesh axis {axis!r}, which does not "
+                f"exist; the mesh has axes {mesh.axis_names}. Use one of those "
+                "or None."
+            )
+            continue
+        if axis in used:
+            problems.append(
+                f"{path}: mesh axis {axis!r} shards both dim {used[axis]} and dim "
+                f"{dim}; a mesh axis may shard at most one dimension of a tensor. "
+                "Replicate one of them (None)."
+            )
+        used[axis] = dim
+        axis_size = mesh.axis_size(axis)
+        if shape[dim] % axis_size:
+            problems.append(
+                f"{path}: dim {dim} has size {shape[dim]}, which mesh axis "
+                f"{axis!r} of size {axis_size} does not divide. Replicate that "
+                "dim (None), shard another dim, or use a mesh axis whose size "
+                f"divides {shape[dim]}."
+            )
+    return problems
+
+
+def validate_plan_structure(plan: ShardingPlan) -> None:
+    """Raise `PlanError` if any planned spec is malformed on the plan's mesh."""
+    problems = []
+    for v in plan.variables:
+        problems += spec_problems(v.path, v.shape, v.spec, plan.mesh)
+    _raise_if_any(problems)
+
+
+def validate_plan_against_variables(plan: ShardingPlan, variables: Sequence) -> None:
+    """Raise `PlanError` unless `plan` covers exactly these variables, validly.
+
+    Args:
+        plan: The plan to check.
+        variables: Keras variables (each with `.path`, `.shape`, `.dtype`).
+    """
+    problems = []
+    model_paths = {v.path for v in variables}
+    planned: dict[str, VariableSharding] = {v.path: v for v in plan.variables}
+    missing = [v for v in variables if v.path not in planned]
+    extra = sorted(set(planned) - model_paths)
+    if missing and extra and len(extra) >= len(planned) // 2:
+        problems.append(
+            f"The plan looks like it is for another model: {len(missing)} of the "
+            f"model's {len(variables)} variables are not in it (e.g. "
+            f"{missing[0].path!r}) and {len(extra)} planned variables are not in "
+            f"the model (e.g. {extra[0]!r}). Plan this model with "
+            "keras_autoshard.plan(model, ...)."
+        )
+    else:
+        for v in missing:
+            problems.append(
+                f"{v.path}: variable of shape {tuple(v.shape)} is not in the plan, "
+                "so nothing says how to shard it. Re-plan the model or add an "
+                "entry for it (a user rule, or VariableSharding with spec "
+                f"{(None,) * len(v.shape)} to replicate it)."
+            )
+        for path in extra:
+            problems.append(
+                f"{path}: planned variable does not exist in the model. Remove it "
+                "from the plan, or check that the model was built the same way "
+                "as when the plan was made (layer names change the paths)."
+            )
+    for v in variables:
+        entry = planned.get(v.path)
+        if entry is None:
+            continue
+        shape = tuple(int(s) for s in v.shape)
+        if shape != entry.shape:
+            problems.append(
+                f"{v.path}: the plan has shape {entry.shape} but the model "
+                f"variable has shape {shape}. Re-plan this model."
+            )
+            continue
+        problems += spec_problems(v.path, shape, entry.spec, plan.mesh)
+    _raise_if_any(problems)
+
+
+def _raise_if_any(problems: list[str]) -> None:
+    if not problems:
+        return
+    head = f"Sharding plan is not valid ({len(problems)} problem(s)):"
+    raise PlanError("\n".join([head] + [f"  - {p}" for p in problems]))

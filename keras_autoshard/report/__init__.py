@@ -1,0 +1,1 @@
+"""Reports: what the compiler did with a plan, read off the compiled program."""

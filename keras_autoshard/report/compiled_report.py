@@ -1,0 +1,180 @@
+"""`CompiledReport`: per-device bytes and collectives of compiled steps.
+
+Plain data filled in by a backend (see `keras_autoshard.backends.jax.
+compiled_program`): variable shard sizes are read from the arrays' addressable
+shards, collectives from the optimized HLO, memory from XLA's analysis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from keras_autoshard.report.hlo_collectives import CollectiveOp, summarize_collectives
+from rich.console import Console
+from rich.table import Table
+
+from keras_autoshard.plan.plan_table import format_bytes
+from keras_autoshard.plan.sharding_plan import MeshSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableShards:
+    """Where one variable's bytes live.
+
+    Args:
+        path: Variable path.
+        shape: Global shape.
+        dtype: Dtype name.
+        spec: The array's partition spec, one entry per dimension.
+        bytes_by_device: Bytes held by each device, in mesh device order.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[str | None, ...]
+    bytes_by_device: tuple[int, ...]
+
+    @property
+    def max_bytes_per_device(self) -> int:
+        return max(self.bytes_by_device)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One compiled step function: its collectives and XLA memory analysis.
+
+    Args:
+        name: `"train_step"` or `"forward_step"`.
+        collectives: Every collective in the optimized HLO.
+        memory: XLA memory analysis in bytes per device (argument, output,
+            temp, alias, generated code).
+    """
+
+    name: str
+    collectives: tuple[CollectiveOp, ...]
+    memory: dict[str, int]
+
+    def select(
+        self, kind: str | None = None, mesh_axes: Sequence[str] | None = None
+    ) -> list[CollectiveOp]:
+        """Collectives of one kind and/or over exactly these mesh axes."""
+        axes = None if mesh_axes is None else tuple(mesh_axes)
+        return [
+            op
+            for op in self.collectives
+            if (kind is None or op.kind == kind)
+            and (axes is None or op.mesh_axes == axes)
+        ]
+
+    def count(self, kind: str | None = None, mesh_axes=None) -> int:
+        return len(self.select(kind, mesh_axes))
+
+    def operand_bytes(self, kind: str | None = None, mesh_axes=None) -> int:
+        """Per-device operand bytes summed over the selected collectives."""
+        return sum(op.operand_bytes for op in self.select(kind, mesh_axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledReport:
+    """What the compiler made of a model under a distribution.
+
+    Args:
+        mesh: The device mesh.
+        parameters: Shard sizes of every model variable.
+        optimizer_state: Shard sizes of every optimizer variable.
+        train_step: The compiled training step.
+        forward_step: The compiled forward (predict) step.
+    """
+
+    mesh: MeshSpec
+    parameters: tuple[VariableShards, ...]
+    optimizer_state: tuple[VariableShards, ...]
+    train_step: CompiledStep
+    forward_step: CompiledStep
+
+    @property
+    def parameter_bytes_per_device(self) -> int:
+        """Largest per-device total of model variable bytes."""
+        return _max_device_total(self.parameters)
+
+    @property
+    def optimizer_bytes_per_device(self) -> int:
+        """Largest per-device total of optimizer variable bytes."""
+        return _max_device_total(self.optimizer_state)
+
+    def to_dict(self) -> dict[str, Any]:
+        def shards(items):
+            return [dataclasses.asdict(v) for v in items]
+
+        def step(s: CompiledStep):
+            return {
+                "name": s.name,
+                "memory": dict(s.memory),
+                "collectives": [op.to_dict() for op in s.collectives],
+                "collective_summary": summarize_collectives(s.collectives),
+            }
+
+        return {
+            "mesh": {
+                "shape": list(self.mesh.shape),
+                "axis_names": list(self.mesh.axis_names),
+            },
+            "parameter_bytes_per_device": self.parameter_bytes_per_device,
+            "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
+            "parameters": shards(self.parameters),
+            "optimizer_state": shards(self.optimizer_state),
+            "train_step": step(self.train_step),
+            "forward_step": step(self.forward_step),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """The report as text tables: bytes per device, collectives, memory."""
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=160, color_system=None)
+        console.print(
+            f"Mesh {self.mesh.describe()}: parameters "
+            f"{format_bytes(self.parameter_bytes_per_device)}/device, optimizer "
+            f"state {format_bytes(self.optimizer_bytes_per_device)}/device"
+        )
+        for step in (self.train_step, self.forward_step):
+            console.print(_collective_table(step))
+            console.print(_memory_line(step))
+        return buffer.getvalue()
+
+
+def _max_device_total(items: Sequence[VariableShards]) -> int:
+    if not items:
+        return 0
+    totals = [sum(col) for col in zip(*(v.bytes_by_device for v in items))]
+    return max(totals)
+
+
+def _collective_table(step: CompiledStep) -> Table:
+    table = Table(title=f"{step.name}: collectives in the optimized HLO")
+    table.add_column("kind")
+    table.add_column("mesh axes")
+    table.add_column("count", justify="right")
+    table.add_column("operand bytes/device", justify="right")
+    for row in summarize_collectives(step.collectives):
+        axes = row["mesh_axes"]
+        table.add_row(
+            row["kind"],
+            "?" if axes is None else ",".join(axes),
+            str(row["count"]),
+            format_bytes(row["operand_bytes"]),
+        )
+    table.add_row("total", "", str(step.count()), format_bytes(step.operand_bytes()))
+    return table
+
+
+def _memory_line(step: CompiledStep) -> str:
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in step.memory.items())
+    return f"{step.name} XLA memory per device: {parts}"

@@ -1,0 +1,110 @@
+"""Compare a sharded model against the same model on one device.
+
+Both models start from identical weights; forward outputs, gradients and the
+losses and weights after several Adam steps are compared with a tolerance
+relative to each tensor's scale.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_autoshard import names_replayed_after
+
+RELATIVE_TOLERANCE = 1e-5
+
+
+def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
+    """max |actual - expected| / max(max |expected|, scale_floor).
+
+    `scale_floor` keeps tensors that are analytically zero (the gradient of an
+    attention key bias, say) from turning rounding noise into a huge ratio.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, scale_floor)
+    diff = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close(
+    actual, expected, what: str, tol: float = RELATIVE_TOLERANCE, scale_floor=0.0
+):
+    error = relative_error(actual, expected, scale_floor)
+    assert error <= tol, f"{what}: relative error {error:.3g} > {tol:g}"
+
+
+def mse_gradients(model, x, y):
+    """Gradients of the mean squared error w.r.t. the trainable variables."""
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss_fn(trainable_values):
+        y_pred, _ = model.stateless_call(trainable_values, non_trainable, x)
+        return jnp.mean(jnp.square(y_pred - y))
+
+    return jax.jit(jax.grad(loss_fn))(trainable)
+
+
+def build_pair(build, distribution):
+    """(reference model on one device, sharded model) with identical weights."""
+    with names_replayed_after():
+        reference = build()
+    with distribution.scope():
+        sharded = build()
+    assert [v.path for v in reference.variables] == [v.path for v in sharded.variables]
+    # Every variable, seed-generator states included (`set_weights` skips them).
+    for target, source in zip(sharded.variables, reference.variables):
+        target.assign(np.asarray(source.value))
+    return reference, sharded
+
+
+def distribute_batch(distribution, tree):
+    def put(a):
+        layout = distribution.get_data_layout(a.shape).backend_layout
+        return jax.device_put(a, layout)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def check_parity(build, distribution, x, y, steps: int = 5):
+    """Assert forward, gradient and `steps` Adam-step parity; return the pair."""
+    reference, sharded = build_pair(build, distribution)
+    with distribution.scope():
+        x_sharded = distribute_batch(distribution, x)
+        y_sharded = distribute_batch(distribution, y)
+        assert_close(sharded(x_sharded), reference(x), "forward output")
+        grads_sharded = mse_gradients(sharded, x_sharded, y_sharded)
+    grads_reference = mse_gradients(reference, x, y)
+    # A gradient's scale is judged against 1e-3 of the largest gradient.
+    floor = 1e-3 * max(float(np.max(np.abs(g))) for g in grads_reference)
+    for v, g_s, g_r in zip(
+        reference.trainable_variables, grads_sharded, grads_reference
+    ):
+        assert_close(g_s, g_r, f"gradient of {v.path}", scale_floor=floor)
+
+    reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    with distribution.scope():
+        sharded.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    for step in range(steps):
+        loss_reference = reference.train_on_batch(x, y)
+        with distribution.scope():
+            loss_sharded = sharded.train_on_batch(x, y)
+        assert_close(loss_sharded, loss_reference, f"loss at step {step}")
+    # Weights that start at zero (biases) are judged against the model's
+    # weight scale: Adam turns rounding noise in near-zero gradients into
+    # update differences of ~1e-7, huge relative to a 5e-3 bias.
+    trained = [
+        (v_s, v_r)
+        for v_s, v_r in zip(sharded.trainable_variables, reference.trainable_variables)
+    ]
+    weight_scale = max(float(np.max(np.abs(v.value))) for _, v in trained)
+    for v_s, v_r in trained:
+        assert_close(
+            v_s.value,
+            v_r.value,
+            f"{v_s.path} after {steps} steps",
+            scale_floor=weight_scale,
+        )
+    return reference, sharded
