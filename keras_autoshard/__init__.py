@@ -3,46 +3,42 @@
 The public API is named here; every other module is internal and may move.
 Pipeline: model → trace (shapes only) → axis graph → plan → apply, then
 reports and checkpoints read the plan.
+
+Names are imported lazily, so `import keras_autoshard` neither imports Keras
+nor fixes its backend: `simulate_devices` and the command line can still set
+`KERAS_BACKEND` and `XLA_FLAGS` first.
 """
 
-from keras_autoshard.apply.device_mesh import make_device_mesh
-from keras_autoshard.apply.plan_distribution import PlanDistribution
-from keras_autoshard.devices import DeviceSetupError, simulate_devices
-from keras_autoshard.naming import names_replayed_after
-from keras_autoshard.plan.rules import plan_from_rules
-from keras_autoshard.plan.sharding_plan import (
-    ActivationLayout,
-    MeshSpec,
-    PlanError,
-    ShardingPlan,
-    VariableSharding,
-)
+import importlib
 
+_PUBLIC_NAMES = {
+    "ActivationLayout": "keras_autoshard.plan.sharding_plan",
+    "MeshSpec": "keras_autoshard.plan.sharding_plan",
+    "PlanError": "keras_autoshard.plan.sharding_plan",
+    "ShardingPlan": "keras_autoshard.plan.sharding_plan",
+    "VariableSharding": "keras_autoshard.plan.sharding_plan",
+    "plan_from_rules": "keras_autoshard.plan.rules",
+    "PlanDistribution": "keras_autoshard.apply.plan_distribution",
+    "make_device_mesh": "keras_autoshard.apply.device_mesh",
+    "DeviceSetupError": "keras_autoshard.devices",
+    "simulate_devices": "keras_autoshard.devices",
+    "names_replayed_after": "keras_autoshard.naming",
+    "CompiledReport": "keras_autoshard.report.compiled_report",
+    "inspect_compiled": "keras_autoshard.backends.jax.compiled_program",
+}
 
-def inspect_compiled(model, distribution, sample_batch):
-    """Compile one train and one forward step; report bytes and collectives.
-
-    See `keras_autoshard.backends.jax.compiled_program.inspect_compiled`.
-    """
-    from keras_autoshard.backends.jax.compiled_program import (
-        inspect_compiled as _inspect,
-    )
-
-    return _inspect(model, distribution, sample_batch)
-
-
-__all__ = [
-    "ActivationLayout",
-    "DeviceSetupError",
-    "MeshSpec",
-    "PlanDistribution",
-    "PlanError",
-    "ShardingPlan",
-    "VariableSharding",
-    "inspect_compiled",
-    "make_device_mesh",
-    "names_replayed_after",
-    "plan_from_rules",
-    "simulate_devices",
-]
+__all__ = sorted(_PUBLIC_NAMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    module_name = _PUBLIC_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'keras_autoshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC_NAMES))

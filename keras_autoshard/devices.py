@@ -21,9 +21,10 @@ def simulate_devices(count: int = 8) -> int:
     """Make JAX expose `count` CPU devices by setting `XLA_FLAGS`.
 
     Must run before JAX first uses its devices (JAX reads `XLA_FLAGS` once,
-    when its backend starts; importing JAX or Keras does not start it). If JAX is already running with at least `count` devices
-    this is a no-op; with fewer, it raises, because the count can no longer be
-    changed in this process.
+    when its backend starts; importing JAX or Keras does not start it). If
+    JAX is already running with at least `count` devices this is a no-op;
+    with fewer, it raises, because the count can no longer be changed in
+    this process.
 
     Args:
         count: Number of host (CPU) devices to simulate.

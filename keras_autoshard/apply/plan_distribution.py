@@ -19,6 +19,17 @@ from keras_autoshard.plan.validation import spec_problems
 logger = logging.getLogger(__name__)
 
 
+def require_jax_backend(what: str) -> None:
+    """Raise unless Keras runs on JAX (the only backend this path supports)."""
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise RuntimeError(
+            f"{what} needs the JAX backend, but Keras is running on {backend!r}. "
+            "Set KERAS_BACKEND=jax before importing Keras (the PyTorch and "
+            "TensorFlow backends have their own entry points)."
+        )
+
+
 class PlanDistribution(Distribution):
     """Apply a `ShardingPlan` through Keras's distribution hooks.
 
@@ -57,6 +68,7 @@ class PlanDistribution(Distribution):
         device_mesh: keras.distribution.DeviceMesh | None = None,
         auto_shard_dataset: bool = True,
     ):
+        require_jax_backend("PlanDistribution")
         if device_mesh is None:
             device_mesh = make_device_mesh(plan.mesh)
         check_mesh_matches(plan.mesh, device_mesh)

@@ -13,12 +13,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from keras_autoshard.report.hlo_collectives import CollectiveOp, summarize_collectives
 from rich.console import Console
 from rich.table import Table
 
 from keras_autoshard.plan.plan_table import format_bytes
 from keras_autoshard.plan.sharding_plan import MeshSpec
+from keras_autoshard.report.hlo_collectives import CollectiveOp, summarize_collectives
 
 
 @dataclasses.dataclass(frozen=True)

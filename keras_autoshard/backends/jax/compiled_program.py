@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 from keras.src.backend.jax.trainer import _distribute_data
 from keras.src.trainers.data_adapters import data_adapter_utils
-from keras_autoshard.report.hlo_collectives import parse_collectives
 
 from keras_autoshard.plan.sharding_plan import MeshSpec
 from keras_autoshard.report.compiled_report import (
@@ -18,6 +17,7 @@ from keras_autoshard.report.compiled_report import (
     CompiledStep,
     VariableShards,
 )
+from keras_autoshard.report.hlo_collectives import parse_collectives
 
 _MEMORY_FIELDS = {
     "argument_bytes": "argument_size_in_bytes",

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# keras-autoshard developer entry point. Creates (or reuses) .venv, installs
+# the project with the extras it needs, then runs the demo or the test suite.
+#   bash dev.sh demo [demo options]   # shard a KerasHub GPT-2 over 8 devices
+#   bash dev.sh test [pytest options] # the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv=.venv
+extras="hub,checkpoint,plot,dev"
+stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)-$extras"
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+fi
+if [ ! -f "$stamp" ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -e ".[$extras]"
+  rm -f "$venv"/.installed-*
+  touch "$stamp"
+fi
+
+export KERAS_BACKEND="${KERAS_BACKEND:-jax}"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}"
+command="${1:-}"
+shift || true
+case "$command" in
+  demo) exec "$venv/bin/python" -m keras_autoshard demo "$@" ;;
+  test) exec "$venv/bin/python" -m pytest -q -W ignore::DeprecationWarning "$@" ;;
+  *) echo "usage: bash dev.sh {demo|test} [options]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,7 @@
+"""`python -m keras_autoshard ...` runs the command line."""
+
+import sys
+
+from keras_autoshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,390 @@
+"""The axis graph: which tensor dimensions must be sharded alike, and what it costs.
+
+An *axis class* is a set of tensor dimensions that must carry the same sharding
+(they are the same logical axis seen through different ops). The graph lists
+every tensor of a traced forward pass, the class of each of its dimensions, and
+the communication that sharding a class on a mesh axis implies:
+
+- `CommEvent`: an all-reduce of one tensor, forward (a contraction or reduction
+  over a sharded class leaves partial sums) or backward (the gradient of an
+  operand is partial over a sharded class it was combined with).
+- `SliceEdge`: a class that may be sharded where another is not (a reshape
+  merge, a slice, a repeat), at the price of a backward all-reduce.
+
+This module is plain data and does not import any backend; the JAX walker that
+fills it lives in `keras_autoshard.backends.jax.jaxpr_axes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable
+
+TENSOR_KINDS = ("param", "state", "input", "activation", "constant")
+EVENT_KINDS = ("contract", "reduce", "gather", "broadcast_grad")
+PHASES = ("forward", "backward")
+
+
+class DimSizeMismatchError(ValueError):
+    """Raised when two dimensions of different sizes are asked to be one axis."""
+
+
+class UnionFind:
+    """Union-find over tensor dimensions that remembers each set's dim size.
+
+    Every element is one tensor dimension with a size. `union` merges two sets
+    only when their sizes agree and raises `DimSizeMismatchError` otherwise, so
+    a wrong rule never silently glues different axes together. A set can be
+    marked unshardable with a reason; merged sets keep the first reason.
+
+    Example:
+
+    ```python
+    uf = UnionFind()
+    a, b = uf.add(256), uf.add(256)
+    uf.union(a, b)
+    assert uf.find(a) == uf.find(b)
+    uf.mark_unshardable(a, "spatial dim of conv")
+    assert uf.reason(b) == "spatial dim of conv"
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._parent: list[int] = []
+        self._set_size: list[int] = []
+        self._dim_size: list[int] = []
+        self._reason: list[str | None] = []
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def add(self, dim_size: int, reason: str | None = None) -> int:
+        """Add a new singleton element.
+
+        Args:
+            dim_size: Size of the dimension the element stands for.
+            reason: Why the element may not be sharded, or `None`.
+
+        Returns:
+            The new element's id.
+        """
+        element = len(self._parent)
+        self._parent.append(element)
+        self._set_size.append(1)
+        self._dim_size.append(int(dim_size))
+        self._reason.append(reason)
+        return element
+
+    def find(self, element: int) -> int:
+        """Return the representative of `element`'s set (with path compression).
+
+        Args:
+            element: An element id.
+
+        Returns:
+            The id of the set's root.
+        """
+        root = element
+        while self._parent[root] != root:
+            root = self._parent[root]
+        while self._parent[element] != root:
+            self._parent[element], element = root, self._parent[element]
+        return root
+
+    def union(self, a: int, b: int) -> int:
+        """Merge the sets of `a` and `b` (union by set size).
+
+        Args:
+            a: An element id.
+            b: An element id.
+
+        Returns:
+            The root of the merged set.
+
+        Raises:
+            DimSizeMismatchError: If the two sets have different dim sizes.
+        """
+        root_a, root_b = self.find(a), self.find(b)
+        if root_a == root_b:
+            return root_a
+        if self._dim_size[root_a] != self._dim_size[root_b]:
+            raise DimSizeMismatchError(
+                f"Cannot unify a dim of size {self._dim_size[root_a]} with a dim "
+                f"of size {self._dim_size[root_b]}."
+            )
+        if self._set_size[root_a] < self._set_size[root_b]:
+            root_a, root_b = root_b, root_a
+        self._parent[root_b] = root_a
+        self._set_size[root_a] += self._set_size[root_b]
+        if self._reason[root_a] is None:
+            self._reason[root_a] = self._reason[root_b]
+        return root_a
+
+    def same(self, a: int, b: int) -> bool:
+        """Whether `a` and `b` are in the same set."""
+        return self.find(a) == self.find(b)
+
+    def dim_size(self, element: int) -> int:
+        """The dim size shared by every element of `element`'s set."""
+        return self._dim_size[self.find(element)]
+
+    def mark_unshardable(self, element: int, reason: str) -> None:
+        """Forbid sharding `element`'s set (keeps an earlier reason if any).
+
+        Args:
+            element: An element id.
+            reason: Human-readable reason, e.g. `"spatial dim of conv"`.
+        """
+        root = self.find(element)
+        if self._reason[root] is None:
+            self._reason[root] = reason
+
+    def reason(self, element: int) -> str | None:
+        """Why `element`'s set may not be sharded, or `None` if it may."""
+        return self._reason[self.find(element)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorNode:
+    """One tensor of the traced forward pass.
+
+    Args:
+        id: Index of the tensor in `AxisGraph.tensors`.
+        shape: Global shape.
+        itemsize: Bytes per element.
+        kind: `"param"`, `"state"`, `"input"`, `"activation"` or `"constant"`.
+        name: Variable path for params and state, input name for inputs,
+            `None` otherwise.
+        dim_classes: Axis-class id per dimension, `None` for size-1 dims.
+        requires_grad: Whether the tensor depends on a `"param"` tensor.
+    """
+
+    id: int
+    shape: tuple[int, ...]
+    itemsize: int
+    kind: str
+    name: str | None
+    dim_classes: tuple[int | None, ...]
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the (unsharded) tensor in bytes."""
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisClass:
+    """A set of tensor dimensions that must carry the same sharding.
+
+    Args:
+        id: Index of the class in `AxisGraph.classes`.
+        size: Size of every dimension in the class.
+        unshardable_reason: Why the class may not be sharded, or `None`.
+        dims: `(tensor_id, dim)` members, for explanations.
+    """
+
+    id: int
+    size: int
+    unshardable_reason: str | None
+    dims: tuple[tuple[int, int], ...]
+
+    @property
+    def shardable(self) -> bool:
+        return self.unshardable_reason is None
+
+
+@dataclasses.dataclass(frozen=True)
+class CommEvent:
+    """Communication implied when any of `classes` is sharded on a mesh axis.
+
+    If one of `classes` is sharded on mesh axis `a`, the step needs one
+    all-reduce over `a` of `tensor`'s per-device bytes, `multiplicity` times.
+    Backward events on the same tensor are already merged: the gradient of a
+    tensor is the sum of its uses' contributions, all-reduced once.
+
+    Args:
+        kind: `"contract"` (dot/conv contracting dims, or the scatter-add of a
+            gradient), `"reduce"` (reduce_sum/max/...), `"gather"` (an indexed
+            operand dim: masked local lookup, then all-reduce) or
+            `"broadcast_grad"` (the gradient of a broadcast operand).
+        phase: `"forward"` or `"backward"`.
+        classes: The triggering class ids.
+        tensor: Id of the tensor whose bytes are all-reduced: the op output
+            forward, the operand whose gradient is partial backward.
+        multiplicity: How many times the op runs per step (scan length).
+        primitive: The primitive(s) that imply the communication.
+    """
+
+    kind: str
+    phase: str
+    classes: tuple[int, ...]
+    tensor: int
+    multiplicity: int
+    primitive: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceEdge:
+    """`target` may be sharded on mesh axes where `source` is not.
+
+    Wherever `source` is sharded, `target` must be sharded the same way (the
+    data layouts agree). Sharding `target` on an extra mesh axis is a free
+    local slice forward and needs an all-reduce of `tensor`'s gradient
+    backward. Made by reshape merges/splits (major factor), slices, pads,
+    concatenation and repeats.
+
+    Args:
+        source: Class id of the operand dim.
+        target: Class id of the result dim.
+        tensor: Id of the operand tensor whose gradient is all-reduced.
+    """
+
+    source: int
+    target: int
+    tensor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisGraph:
+    """Tensors, axis classes and communication of one traced forward pass.
+
+    Args:
+        tensors: Every tensor, indexed by id.
+        classes: Every axis class, indexed by id.
+        comm_events: Communication implied by sharding classes.
+        slice_edges: Classes that may be sharded where another is not.
+        unknown_primitives: `(primitive name, count)` of primitives the walker
+            had no rule for; their dims were made unshardable.
+        notes: Remarks a person should read (e.g. while loops with unknown
+            trip counts).
+
+    Example:
+
+    ```python
+    graph = build_axis_graph(closed_jaxpr, invar_kinds)
+    print(graph.summary())
+    kernel = graph.param("dense/kernel")
+    hidden = graph.classes[kernel.dim_classes[1]]
+    ```
+    """
+
+    tensors: tuple[TensorNode, ...]
+    classes: tuple[AxisClass, ...]
+    comm_events: tuple[CommEvent, ...]
+    slice_edges: tuple[SliceEdge, ...]
+    unknown_primitives: tuple[tuple[str, int], ...]
+    notes: tuple[str, ...] = ()
+
+    def params(self) -> list[TensorNode]:
+        """The `"param"` tensors, in invar order."""
+        return [t for t in self.tensors if t.kind == "param"]
+
+    def param(self, name: str) -> TensorNode:
+        """The `"param"` tensor whose variable path is `name`.
+
+        Args:
+            name: A variable path such as `"dense/kernel"`.
+
+        Returns:
+            The tensor node.
+
+        Raises:
+            KeyError: If no param has that path.
+        """
+        for tensor in self.tensors:
+            if tensor.kind == "param" and tensor.name == name:
+                return tensor
+        raise KeyError(f"No param named {name!r} in the axis graph.")
+
+    def class_of(self, tensor_id: int, dim: int) -> int | None:
+        """Class id of dimension `dim` of tensor `tensor_id` (`None`: size 1)."""
+        return self.tensors[tensor_id].dim_classes[dim]
+
+    def events_for(
+        self, class_id: int, phase: str | None = None, kind: str | None = None
+    ) -> list[CommEvent]:
+        """Comm events triggered by `class_id`, optionally by phase and kind.
+
+        Args:
+            class_id: An axis-class id.
+            phase: `"forward"`, `"backward"` or `None` for both.
+            kind: An event kind or `None` for all.
+
+        Returns:
+            The matching events, in graph order.
+        """
+        return [
+            event
+            for event in self.comm_events
+            if class_id in event.classes
+            and (phase is None or event.phase == phase)
+            and (kind is None or event.kind == kind)
+        ]
+
+    def conflicts(self) -> set[frozenset[int]]:
+        """Pairs of classes that occur in one tensor (may not share a mesh axis).
+
+        Returns:
+            A set of two-element frozensets of class ids.
+        """
+        pairs: set[frozenset[int]] = set()
+        for tensor in self.tensors:
+            present = sorted({c for c in tensor.dim_classes if c is not None})
+            for a, b in itertools.combinations(present, 2):
+                pairs.add(frozenset((a, b)))
+        return pairs
+
+    def summary(self) -> str:
+        """A human-readable overview of the graph."""
+        lines = [self._summary_counts()]
+        lines.extend(self._summary_events())
+        lines.extend(self._summary_shardable_classes())
+        if self.unknown_primitives:
+            unknown = ", ".join(f"{n} x{c}" for n, c in self.unknown_primitives)
+            lines.append(f"Unknown primitives (dims made unshardable): {unknown}")
+        lines.extend(f"Note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def _summary_counts(self) -> str:
+        kinds = Counter(t.kind for t in self.tensors)
+        shardable = sum(1 for c in self.classes if c.shardable)
+        kind_text = ", ".join(f"{k}={kinds[k]}" for k in TENSOR_KINDS if kinds[k])
+        return (
+            f"AxisGraph: {len(self.tensors)} tensors ({kind_text}); "
+            f"{len(self.classes)} axis classes ({shardable} shardable); "
+            f"{len(self.comm_events)} comm events; "
+            f"{len(self.slice_edges)} slice edges"
+        )
+
+    def _summary_events(self) -> list[str]:
+        counts = Counter((e.phase, e.kind) for e in self.comm_events)
+        return [
+            f"  {phase:8s} {kind:15s} {counts[phase, kind]}"
+            for phase in PHASES
+            for kind in EVENT_KINDS
+            if counts[phase, kind]
+        ]
+
+    def _summary_shardable_classes(self) -> list[str]:
+        lines = ["Shardable classes:"]
+        for axis_class in self.classes:
+            if axis_class.shardable:
+                members = self._param_members(axis_class.dims)
+                where = ", ".join(members[:4]) or "activations only"
+                more = f" (+{len(members) - 4} params)" if len(members) > 4 else ""
+                lines.append(
+                    f"  class {axis_class.id} size {axis_class.size}: "
+                    f"{where}{more}; {len(axis_class.dims)} dims"
+                )
+        return lines
+
+    def _param_members(self, dims: Iterable[tuple[int, int]]) -> list[str]:
+        return [
+            f"{self.tensors[t].name}[{d}]"
+            for t, d in dims
+            if self.tensors[t].kind == "param"
+        ]

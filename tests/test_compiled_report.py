@@ -1,0 +1,79 @@
+"""The compiled-program report is exact: Megatron collectives of the MLP block."""
+
+import json
+
+from keras_autoshard import PlanDistribution, inspect_compiled
+from tests import models
+from tests.test_parity_handwritten import mlp_plan
+
+BATCH, SEQ, HIDDEN = models.BATCH, models.SEQ, models.HIDDEN
+DATA, MODEL = 2, 4
+FP32 = 4
+# One all-reduce moves the per-device activation: (batch / data) x seq x hidden.
+ACTIVATION_BYTES = (BATCH // DATA) * SEQ * HIDDEN * FP32
+
+
+def _report():
+    plan = mlp_plan()
+    dist = PlanDistribution(plan)
+    x, y = models.mlp_batch()
+    with dist.scope():
+        model = models.build_mlp_block()
+        model.compile(optimizer="adam", loss="mse")
+        report = inspect_compiled(model, dist, (x, y))
+    return plan, report
+
+
+def _expected_param_bytes_per_device():
+    norm = 2 * HIDDEN
+    up = HIDDEN * 4 * HIDDEN // MODEL + 4 * HIDDEN // MODEL
+    down = 4 * HIDDEN * HIDDEN // MODEL + HIDDEN
+    return (norm + up + down) * FP32
+
+
+def test_mlp_report_has_exactly_the_megatron_collectives():
+    _, report = _report()
+    forward = report.forward_step
+    assert forward.count() == 1
+    assert forward.count("all-reduce", ("model",)) == 1
+    assert forward.operand_bytes("all-reduce", ("model",)) == ACTIVATION_BYTES
+
+    train = report.train_step
+    kinds = {op.kind for op in train.collectives}
+    assert kinds == {"all-reduce"}
+    # Forward row-parallel output + backward column-parallel input gradient.
+    assert train.count("all-reduce", ("model",)) == 2
+    assert train.operand_bytes("all-reduce", ("model",)) == 2 * ACTIVATION_BYTES
+    # Gradient sync over the data axis: every local gradient shard once, plus
+    # the scalar loss.
+    assert train.count("all-reduce", ("batch",)) == 1
+    assert (
+        train.operand_bytes("all-reduce", ("batch",))
+        == _expected_param_bytes_per_device() + FP32
+    )
+    assert train.count() == 3
+
+
+def test_report_parameter_and_optimizer_bytes_match_the_plan():
+    plan, report = _report()
+    assert report.parameter_bytes_per_device == plan.bytes_per_device()
+    assert report.parameter_bytes_per_device == _expected_param_bytes_per_device()
+    # Adam: two slots per parameter with the same layout, plus two scalars.
+    assert report.optimizer_bytes_per_device == 2 * plan.bytes_per_device() + 2 * 4
+    for shards in report.parameters:
+        planned = plan.variable(shards.path)
+        assert set(shards.bytes_by_device) == {planned.bytes_per_device(plan.mesh)}
+        assert shards.spec == planned.spec
+
+
+def test_report_serialises_to_json_and_prints_a_table():
+    _, report = _report()
+    data = json.loads(report.to_json())
+    assert data["parameter_bytes_per_device"] == _expected_param_bytes_per_device()
+    summary = data["train_step"]["collective_summary"]
+    by_axes = {tuple(row["mesh_axes"]): row for row in summary}
+    assert by_axes[("model",)]["count"] == 2
+    assert data["train_step"]["memory"]["argument_bytes"] > 0
+    text = report.table()
+    assert "train_step" in text and "forward_step" in text
+    assert "all-reduce" in text

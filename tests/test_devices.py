@@ -1,0 +1,62 @@
+"""simulate_devices sets XLA's host device count, and refuses when too late."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_autoshard import DeviceSetupError, simulate_devices
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["KERAS_BACKEND"] = "jax"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_simulate_devices_before_jax_starts_gives_that_many_devices():
+    result = _run(
+        "from keras_autoshard import simulate_devices; simulate_devices(4);"
+        "import jax; print(jax.device_count())"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "4"
+
+
+def test_simulate_devices_after_jax_started_with_fewer_devices_raises():
+    result = _run(
+        "import jax; jax.devices();"
+        "from keras_autoshard import simulate_devices; simulate_devices(16)"
+    )
+    assert result.returncode != 0
+    assert "DeviceSetupError" in result.stderr
+    assert "already initialised with 1 device(s), fewer than the 16" in result.stderr
+
+
+def test_simulate_devices_in_this_process_is_a_no_op_when_enough_devices():
+    import jax
+
+    assert jax.device_count() == 8
+    assert simulate_devices(4) == 8
+    with pytest.raises(DeviceSetupError, match="fewer than the 9"):
+        simulate_devices(9)
+
+
+def test_simulate_devices_replaces_an_existing_count_flag(monkeypatch):
+    from keras_autoshard import devices
+
+    monkeypatch.setattr(devices, "_running_jax_device_count", lambda: None)
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_foo=1 --xla_force_host_platform_device_count=2"
+    )
+    devices.simulate_devices(6)
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_foo=1 --xla_force_host_platform_device_count=6"
+    )
