@@ -373,18 +373,18 @@ class AxisGraph:
         lines = ["Shardable classes:"]
         for axis_class in self.classes:
             if axis_class.shardable:
-                members = self._param_members(axis_class.dims)
+                members = self._named_members(axis_class.dims)
                 where = ", ".join(members[:4]) or "activations only"
-                more = f" (+{len(members) - 4} params)" if len(members) > 4 else ""
+                more = f" (+{len(members) - 4} more)" if len(members) > 4 else ""
                 lines.append(
                     f"  class {axis_class.id} size {axis_class.size}: "
                     f"{where}{more}; {len(axis_class.dims)} dims"
                 )
         return lines
 
-    def _param_members(self, dims: Iterable[tuple[int, int]]) -> list[str]:
-        return [
-            f"{self.tensors[t].name}[{d}]"
-            for t, d in dims
-            if self.tensors[t].kind == "param"
-        ]
+    def _named_members(self, dims: Iterable[tuple[int, int]]) -> list[str]:
+        """Params first, then state and inputs, as `name[dim]`."""
+        order = {"param": 0, "state": 1, "input": 2}
+        named = [(t, d) for t, d in dims if self.tensors[t].kind in order]
+        named.sort(key=lambda td: order[self.tensors[td[0]].kind])
+        return [f"{self.tensors[t].name}[{d}]" for t, d in named]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -148,6 +149,8 @@ class _GraphBuilder:
         self.slice_edges: list[tuple[int, int, int]] = []
         self.unknown: Counter[str] = Counter()
         self.notes: list[str] = []
+        # tensor id -> the tensor it relabels (reshape, transpose, ...).
+        self.view_of: dict[int, int] = {}
 
     def new_tensor(
         self,
@@ -173,6 +176,13 @@ class _GraphBuilder:
 
     def requires_grad(self, tid: int) -> bool:
         return self.tensors[tid].requires_grad
+
+    def record_view(self, operand: int, out: int) -> None:
+        """Note that `out` holds the same bytes as `operand`, relabelled."""
+        source, result = self.tensors[operand], self.tensors[out]
+        same_count = math.prod(source.shape) == math.prod(result.shape)
+        if same_count and source.itemsize == result.itemsize:
+            self.view_of[out] = self.view_of.get(operand, operand)
 
     def unify(self, a: tuple[int, int], b: tuple[int, int], primitive: str) -> None:
         """Put dim `a[1]` of tensor `a[0]` and dim `b[1]` of `b[0]` in one class."""
@@ -211,6 +221,9 @@ class _GraphBuilder:
         primitive: str,
     ) -> None:
         present = tuple(e for e in elements if e is not None)
+        if phase == "backward":
+            # A view's gradient is its source's gradient, relabelled: sum there.
+            tensor = self.view_of.get(tensor, tensor)
         if present:
             self.events.append(
                 _EventRecord(kind, phase, present, tensor, multiplicity, primitive)
@@ -419,6 +432,9 @@ def _positional_word(primitive: str) -> str:
 
 _Rule = Callable[[_Eqn], list[int]]
 
+# Elementwise primitives whose result is a relabelled copy of their operand.
+_VIEW_PRIMITIVES = frozenset({"convert_element_type", "copy", "copy_p"})
+
 
 class _Walker:
     """Walks jaxprs, dispatching each equation to its primitive's rule."""
@@ -493,6 +509,8 @@ def _rule_elementwise(e: _Eqn) -> list[int]:
     for out in outs:
         for operand in e.ins:
             _map_broadcasting_operand(e, operand, out)
+    if e.name in _VIEW_PRIMITIVES:
+        e.builder.record_view(e.ins[0], outs[0])
     return outs
 
 
@@ -526,6 +544,7 @@ def _rule_per_operand_identity(e: _Eqn) -> list[int]:
         return e.walker.unknown(e, f"operand/result count mismatch in {e.name}")
     for operand, out in zip(e.ins, outs):
         e.unify_all(operand, out)
+        e.builder.record_view(operand, out)
     return outs
 
 
@@ -571,6 +590,7 @@ def _rule_broadcast_in_dim(e: _Eqn) -> list[int]:
     if e.requires_grad(operand):
         elements = [e.element(out, d) for d in sorted(grad_dims)]
         e.event("broadcast_grad", "backward", elements, operand)
+    e.builder.record_view(operand, out)
     return [out]
 
 
@@ -611,6 +631,7 @@ def _rule_reshape(e: _Eqn) -> list[int]:
         return [out]
     for group_in, group_out in groups:
         _map_reshape_group(e, operand, out, group_in, group_out)
+    e.builder.record_view(operand, out)
     return [out]
 
 
@@ -647,6 +668,7 @@ def _rule_transpose(e: _Eqn) -> list[int]:
     operand, out = e.ins[0], e.fresh_outputs()[0]
     for out_dim, in_dim in enumerate(e.params["permutation"]):
         e.unify(operand, in_dim, out, out_dim)
+    e.builder.record_view(operand, out)
     return [out]
 
 
@@ -657,6 +679,7 @@ def _rule_squeeze(e: _Eqn) -> list[int]:
     kept = [d for d in range(rank) if d not in removed]
     for out_dim, in_dim in enumerate(kept):
         e.unify(operand, in_dim, out, out_dim)
+    e.builder.record_view(operand, out)
     return [out]
 
 
@@ -987,7 +1010,7 @@ def _rule_scatter(e: _Eqn) -> list[int]:
     ]
     index_batch = list(range(e.rank(indices) - 1))
     if len(update_scatter) != len(index_batch):
-        return [*e.walker.unknown(e, "scatter with unmapped scatter dims")]
+        return e.walker.unknown(e, "scatter with unmapped scatter dims")
     for update_dim, index_dim in zip(update_scatter, index_batch):
         e.unify(updates, update_dim, indices, index_dim)
     for operand_dim, index_dim in zip(
