@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 import keras
-from keras.distribution import Distribution
+from keras.src.distribution.distribution_lib import Distribution
 
 from keras_autoshard import (
     MeshSpec,
@@ -70,9 +70,7 @@ def keras_hub_layout_map(build_model: ModelBuilder, mesh: MeshSpec) -> Distribut
         reference = build_model()
     get_layout_map = getattr(type(reference), "get_layout_map", None)
     if get_layout_map is None:
-        raise StrategyNotApplicable(
-            f"{type(reference).__name__} has no get_layout_map"
-        )
+        raise StrategyNotApplicable(f"{type(reference).__name__} has no get_layout_map")
     layout_map = get_layout_map(
         make_device_mesh(mesh),
         model_parallel_dim_name=MODEL_AXIS,

@@ -25,6 +25,8 @@ _PUBLIC_NAMES = {
     "names_replayed_after": "keras_autoshard.naming",
     "CompiledReport": "keras_autoshard.report.compiled_report",
     "inspect_compiled": "keras_autoshard.backends.jax.compiled_program",
+    "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",
+    "plan": "keras_autoshard.planner.planner",
 }
 
 __all__ = sorted(_PUBLIC_NAMES)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,14 @@ def _triggered(graph: AxisGraph, sharded: set[int], phase: str):
     return [
         e for e in graph.comm_events if e.phase == phase and sharded & set(e.classes)
     ]
+
+
+def test_axis_graph_module_does_not_import_jax():
+    code = (
+        "import sys, keras_autoshard.graph.axis_graph; "
+        "assert 'jax' not in sys.modules, 'axis_graph imported jax'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_union_find_refuses_size_mismatch():
@@ -267,11 +277,17 @@ def test_llama_grouped_query_attention():
             assert kv_heads != q_heads and graph.classes[kv_heads].size == 2
             # jnp.repeat: broadcast_in_dim to (B, S, 2, 4, D), then a reshape
             # merging (2, 4) -> 8 heads; the major factor is the KV-head dim.
-            repeated = graph.tensors[edges[kv_heads, q_heads]]
-            assert repeated.shape == (BATCH, SEQ, 2, 4, 32)
-            assert repeated.dim_classes[2] == kv_heads
+            (repeated,) = [
+                t
+                for t in graph.tensors
+                if t.shape == (BATCH, SEQ, 2, 4, 32) and t.dim_classes[2] == kv_heads
+            ]
             minor = graph.classes[repeated.dim_classes[3]]
             assert minor.unshardable_reason == "minor factor of reshape merge"
+            # Backward, the all-reduce is on the un-repeated K/V (B, S, 2, D).
+            source = graph.tensors[edges[kv_heads, q_heads]]
+            assert source.shape == (BATCH, SEQ, 2, 32)
+            assert source.dim_classes[2] == kv_heads
         # Rotary embedding splits head_dim in halves: head_dim is unshardable.
         assert "split" in graph.classes[q_dim].unshardable_reason
         (out_proj,) = graph.events_for(q_heads, phase="forward")
@@ -280,6 +296,23 @@ def test_llama_grouped_query_attention():
         up = graph.param(f"transformer_layer_{i}/feedforward_intermediate_dense/kernel")
         assert mlp.dim_classes == up.dim_classes == (hidden, mlp.dim_classes[1])
         assert len(graph.events_for(mlp.dim_classes[1], phase="forward")) == 1
+    # Megatron with more model shards than KV heads: shard query heads and
+    # MLP, replicate K/V. Per layer: two forward and two backward all-reduces
+    # of (B, S, hidden), plus the K and V gradients through the repeat.
+    sharded = {
+        graph.param(f"transformer_layer_{i}/{name}").dim_classes[1]
+        for i in range(2)
+        for name in (
+            "self_attention/query/kernel",
+            "feedforward_gate_dense/kernel",
+        )
+    }
+    for phase in ("forward", "backward"):
+        events = _triggered(graph, sharded, phase)
+        assert len(events) == 4
+        assert all(graph.tensors[e.tensor].shape == (BATCH, SEQ, 256) for e in events)
+    sliced = [e for e in graph.slice_edges if e.target in sharded]
+    assert len(sliced) == 4 and not {e.source for e in sliced} & sharded
     assert graph.unknown_primitives == ()
 
 

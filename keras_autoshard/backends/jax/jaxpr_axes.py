@@ -8,6 +8,43 @@ that cannot be sharded (with the reason), and records the all-reduces that
 sharding a class implies, forward and backward. Primitives it has no rule for
 make every dimension they touch unshardable and are counted in
 `AxisGraph.unknown_primitives`.
+
+Rules in brief (B = backward event, F = forward event):
+
+- elementwise (add, mul, select_n, convert_element_type, ...): equal dims
+  unify; size-1 dims broadcast; a requires-grad operand broadcast along output
+  dims gets a B `broadcast_grad` over those dims' classes.
+- broadcast_in_dim: mapped dims unify; new/expanded dims are fresh classes
+  with a B `broadcast_grad` of the operand.
+- dot_general: batch dims unify across lhs/rhs/out, free dims with the output,
+  contracting dims with each other; F `contract` on the output over the
+  contracting classes; B `contract` on lhs over the rhs free classes and on
+  rhs over the lhs free classes.
+- reshape: 1-to-1 dims unify; a split or merge links the major factor to the
+  result by a `SliceEdge` and makes the minor factors unshardable; any other
+  regrouping is unshardable.
+- transpose/squeeze/rev map dims; slice/dynamic_slice/pad/concatenate/tile/
+  split make the touched operand dim unshardable and link it to the new
+  result dim by a `SliceEdge`; stack/unstack axes and dynamic_update_slice
+  updated dims are unshardable.
+- reductions: kept dims unify, F `reduce` over the reduced classes;
+  argmax/argmin, cumulative ops, sort and top_k make their axis unshardable.
+- gather: index batch dims unify with output batch dims, whole slice dims
+  with offset dims; F `gather` over the indexed operand dims; B `contract` of
+  the operand over the index batch classes. scatter-add: F `reduce` over the
+  update scatter classes, B `gather` of the updates; other scatters are
+  conservative.
+- conv_general_dilated: batch and features as for dot_general, spatial dims
+  unshardable, grouped convolutions conservative. reduce_window: windowed
+  dims unshardable.
+- jit/checkpoint/custom_jvp/custom_vjp/closed_call: walk the body in place.
+  scan: carries unify across the loop, the scanned dim is unshardable and body
+  events are multiplied by the length. while: carries unify, events counted
+  once (noted). cond: every branch is walked and unified with the results.
+
+Backward events on one tensor (and on views of it: reshapes, transposes,
+same-size broadcasts, casts) are merged, since the gradient is summed before
+it is all-reduced.
 """
 
 from __future__ import annotations
@@ -151,6 +188,8 @@ class _GraphBuilder:
         self.notes: list[str] = []
         # tensor id -> the tensor it relabels (reshape, transpose, ...).
         self.view_of: dict[int, int] = {}
+        # broadcast_in_dim result -> (operand, the result dims it broadcasts).
+        self.broadcast_of: dict[int, tuple[int, frozenset[int]]] = {}
 
     def new_tensor(
         self,
@@ -230,16 +269,25 @@ class _GraphBuilder:
             )
 
     def add_slice_edge(
-        self, source: tuple[int, int], target: tuple[int, int], reason: str
+        self,
+        source: tuple[int, int],
+        target: tuple[int, int],
+        reason: str,
+        grad_tensor: int | None = None,
     ) -> None:
-        """`target` dim may be sharded where `source` dim is not (local slice)."""
+        """`target` dim may be sharded where `source` dim is not (local slice).
+
+        `grad_tensor` is the tensor whose gradient becomes partial (default:
+        the source tensor).
+        """
         source_elem, target_elem = self.element(*source), self.element(*target)
         if target_elem is None:
             return
         if source_elem is None:
             self.uf.mark_unshardable(target_elem, reason)
             return
-        self.slice_edges.append((source_elem, target_elem, source[0]))
+        tensor = source[0] if grad_tensor is None else grad_tensor
+        self.slice_edges.append((source_elem, target_elem, tensor))
 
     def build(self) -> AxisGraph:
         self._mark_repeated_classes()
@@ -591,6 +639,7 @@ def _rule_broadcast_in_dim(e: _Eqn) -> list[int]:
         elements = [e.element(out, d) for d in sorted(grad_dims)]
         e.event("broadcast_grad", "backward", elements, operand)
     e.builder.record_view(operand, out)
+    e.builder.broadcast_of[out] = (operand, frozenset(grad_dims))
     return [out]
 
 
@@ -650,7 +699,10 @@ def _map_reshape_group(
     elif len(group_out) == 1:
         # Merge: the major input factor is a block of the output dim.
         e.builder.add_slice_edge(
-            (operand, group_in[0]), (out, group_out[0]), "reshape merge"
+            (operand, group_in[0]),
+            (out, group_out[0]),
+            "reshape merge",
+            _repeat_source(e, operand, group_in),
         )
         for dim in group_in[1:]:
             e.mark(operand, dim, "minor factor of reshape merge")
@@ -662,6 +714,19 @@ def _map_reshape_group(
             e.mark(operand, dim, reason)
         for dim in group_out:
             e.mark(out, dim, reason)
+
+
+def _repeat_source(e: _Eqn, operand: int, group_in: list[int]) -> int | None:
+    """The un-repeated tensor when a merge undoes a broadcast (`jnp.repeat`).
+
+    Sharding the merged dim then makes the gradient partial only after the
+    broadcast's sum, so the backward all-reduce is on the smaller source.
+    """
+    source, broadcast_dims = e.builder.broadcast_of.get(operand, (None, frozenset()))
+    repeated = set(group_in[1:]) <= broadcast_dims
+    if source is None or not repeated or group_in[0] in broadcast_dims:
+        return None
+    return source
 
 
 def _rule_transpose(e: _Eqn) -> list[int]:
@@ -1149,9 +1214,10 @@ def _rule_scan(e: _Eqn) -> list[int]:
 
 
 def _scan_slice(e: _Eqn, xs: int, slice_aval: Any) -> int:
-    """The per-iteration slice of a scanned-over input."""
+    """The per-iteration slice of a scanned-over input (keeps a param's name)."""
+    name = e.builder.tensors[xs].name
     tid = e.builder.new_tensor(
-        slice_aval, "activation", requires_grad=e.requires_grad(xs)
+        slice_aval, "activation", name, requires_grad=e.requires_grad(xs)
     )
     e.mark(xs, 0, "scanned dim of scan")
     for dim in range(e.rank(tid)):

@@ -1,0 +1,268 @@
+"""`AutoShardDistribution`: a Keras distribution that plans itself.
+
+Variables created under its scope before a plan exists get a provisional
+sharded layout (their largest divisible dimension cut over the largest mesh
+axis), so no full copy of a large model is kept on every device. When the
+model's input shapes are known (the first batch of `fit`, `evaluate`,
+`predict`, `train_on_batch`, or an explicit `prepare(model, sample_input)`),
+it plans from the model's graph and re-lays every variable out onto the plan,
+shard to shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import keras
+from keras.distribution import TensorLayout
+from keras.src.distribution.distribution_lib import Distribution
+from keras.src.trainers import trainer as keras_trainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_autoshard.apply.device_mesh import make_device_mesh
+from keras_autoshard.apply.plan_distribution import (
+    PlanDistribution,
+    require_jax_backend,
+)
+from keras_autoshard.plan.rules import Spec
+from keras_autoshard.plan.sharding_plan import MeshSpec, PlanError, ShardingPlan
+
+logger = logging.getLogger(__name__)
+
+
+class AutoShardDistribution(Distribution):
+    """Shard a Keras model automatically: plan from its graph, then apply.
+
+    Args:
+        device_mesh: A `keras.distribution.DeviceMesh` (or `MeshSpec`). When
+            `None`, the planner picks a (data, model) mesh shape over all
+            devices by cost.
+        memory_budget: Per-device bytes for parameters, gradients, optimizer
+            state and activations; `None` means no limit.
+        rules: Regular expression on variable path → spec, pinned; the
+            planner fills in the rest.
+        sample_input: A batch (or `jax.ShapeDtypeStruct`s) to plan with;
+            otherwise the first batch the model sees is used.
+        auto_shard_dataset: As in `keras.distribution.Distribution`.
+
+    Example:
+
+    ```python
+    dist = keras_autoshard.AutoShardDistribution()
+    with dist.scope():
+        model = keras_hub.models.GPT2Backbone(**config)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=8)      # plans on the first batch
+    print(dist.plan.explain())
+    ```
+    """
+
+    def __init__(
+        self,
+        device_mesh=None,
+        memory_budget: int | None = None,
+        rules: Mapping[str, Spec] | None = None,
+        sample_input=None,
+        auto_shard_dataset: bool = True,
+    ):
+        require_jax_backend("AutoShardDistribution")
+        self._requested_mesh = _as_mesh_spec(device_mesh)
+        devices = keras.distribution.list_devices()
+        provisional = self._requested_mesh or MeshSpec(
+            (1, len(devices)), ("batch", "model")
+        )
+        keras_mesh = (
+            device_mesh
+            if isinstance(device_mesh, keras.distribution.DeviceMesh)
+            else make_device_mesh(provisional)
+        )
+        super().__init__(keras_mesh, None, auto_shard_dataset)
+        self._memory_budget = memory_budget
+        self._rules = dict(rules) if rules else None
+        self._sample_input = sample_input
+        self._applied: PlanDistribution | None = None
+        self._planned_models: set[int] = set()
+
+    # ------------------------------------------------------------- the plan
+    @property
+    def plan(self) -> ShardingPlan:
+        if self._applied is None:
+            raise PlanError(
+                "No plan yet: it is made when the model first sees a batch "
+                "(fit/evaluate/predict/train_on_batch) or on prepare(model, x)."
+            )
+        return self._applied.plan
+
+    @property
+    def is_planned(self) -> bool:
+        return self._applied is not None
+
+    def prepare(self, model: keras.Model, sample_input=None) -> ShardingPlan:
+        """Plan `model` now and move its variables onto the plan.
+
+        Args:
+            model: A built model created under this distribution's scope.
+            sample_input: One global batch of inputs (or their shapes).
+
+        Returns:
+            The `ShardingPlan` now applied.
+        """
+        from keras_autoshard.planner.planner import plan as make_plan
+
+        sample_input = sample_input if sample_input is not None else self._sample_input
+        if sample_input is None:
+            raise PlanError("prepare() needs sample_input (one batch of inputs).")
+        plan = make_plan(
+            model,
+            device_mesh=self._requested_mesh,
+            sample_input=sample_input,
+            memory_budget=self._memory_budget,
+            rules=self._rules,
+        )
+        self._apply(plan, model)
+        self._planned_models.add(id(model))
+        return plan
+
+    def _apply(self, plan: ShardingPlan, model: keras.Model) -> None:
+        device_mesh = (
+            self.device_mesh
+            if tuple(self.device_mesh.shape) == plan.mesh.shape
+            and tuple(self.device_mesh.axis_names) == plan.mesh.axis_names
+            else make_device_mesh(plan.mesh)
+        )
+        applied = PlanDistribution(plan, device_mesh)
+        plan.validate(model)
+        self._device_mesh = device_mesh
+        self._batch_dim_name = plan.batch_axis
+        self._applied = applied
+        relayout_model(model, applied)
+
+    # ------------------------------------------------- Distribution protocol
+    @property
+    def num_model_replicas(self) -> int:
+        return 1 if self._applied is None else self._applied.num_model_replicas
+
+    def get_data_layout(self, data_shape) -> TensorLayout:
+        if self._applied is None:
+            # Only the batch that the plan is made from arrives before a plan.
+            return TensorLayout([None] * len(data_shape), self.device_mesh)
+        return self._applied.get_data_layout(data_shape)
+
+    def get_variable_layout(self, variable) -> TensorLayout:
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        if self._applied is not None and self._applied.plan.get(variable.path):
+            return self._applied.get_variable_layout(variable)
+        return provisional_layout(variable.shape, self.device_mesh)
+
+    def get_tensor_layout(self, path: str) -> TensorLayout | None:
+        return None if self._applied is None else self._applied.get_tensor_layout(path)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this distribution current; plan models on their first batch."""
+        original = keras_trainer.Trainer._symbolic_build
+        distribution = self
+
+        def symbolic_build(model, iterator=None, data_batch=None):
+            if id(model) in distribution._planned_models:
+                return original(model, iterator=iterator, data_batch=data_batch)
+            if data_batch is None:
+                data_batch = _first_batch(iterator)
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data_batch)
+            if model.built:
+                distribution.prepare(model, x)
+                return original(model, data_batch=data_batch)
+            result = original(model, data_batch=data_batch)
+            distribution.prepare(model, x)
+            return result
+
+        keras_trainer.Trainer._symbolic_build = symbolic_build
+        try:
+            with super().scope():
+                yield
+        finally:
+            keras_trainer.Trainer._symbolic_build = original
+
+
+def provisional_layout(shape, device_mesh) -> TensorLayout:
+    """Cut the largest dimension the largest mesh axis divides (else replicate)."""
+    sizes = dict(zip(device_mesh.axis_names, device_mesh.shape))
+    axis = max(sizes, key=sizes.get)
+    spec = [None] * len(shape)
+    candidates = [
+        (int(size), -dim)
+        for dim, size in enumerate(shape)
+        if size is not None and int(size) % sizes[axis] == 0 and int(size) > 1
+    ]
+    if candidates and sizes[axis] > 1:
+        spec[-max(candidates)[1]] = axis
+    return TensorLayout(spec, device_mesh)
+
+
+def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
+    """Move every model and optimizer variable onto the plan's layouts.
+
+    Each array goes from its current sharding to the planned one device to
+    device (`jax.device_put` between shardings); no full copy is assembled.
+    Optimizer slots follow their parameter; other optimizer and metric
+    variables are replicated.
+    """
+    mesh = distribution.device_mesh
+    by_slot_prefix = {}
+    seen = set()
+    for variable in model.variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        layout = TensorLayout(
+            list(distribution.plan.variable(variable.path).spec), mesh
+        )
+        _move(variable, layout)
+        by_slot_prefix[variable.path.replace("/", "_")] = (variable, layout)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        for slot in optimizer.variables:
+            reference = _slot_reference(slot, by_slot_prefix)
+            if reference is None:
+                _move(slot, TensorLayout([None] * len(slot.shape), mesh))
+            else:
+                _move(slot, reference[1])
+    for variable in getattr(model, "metrics_variables", []):
+        _move(variable, TensorLayout([None] * len(variable.shape), mesh))
+
+
+def _move(variable, layout: TensorLayout) -> None:
+    variable._layout = layout
+    if variable._value is not None:
+        variable._direct_assign(variable._value)
+
+
+def _slot_reference(slot, by_slot_prefix):
+    """The parameter an optimizer slot was made from (Keras names slots
+    `<path with / as _>_<slot name>`), matched by longest prefix and shape."""
+    name = slot.name
+    best = None
+    for prefix, (variable, layout) in by_slot_prefix.items():
+        if name.startswith(prefix + "_") and tuple(slot.shape) == tuple(variable.shape):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, (variable, layout))
+    return None if best is None else best[1]
+
+
+def _first_batch(iterator):
+    for _, _, data_or_iterator in iterator:
+        if isinstance(data_or_iterator, (list, tuple)):
+            return data_or_iterator[0]
+        return next(data_or_iterator)
+    raise PlanError("The dataset yielded no batch to plan with.")
+
+
+def _as_mesh_spec(device_mesh) -> MeshSpec | None:
+    if device_mesh is None:
+        return None
+    if isinstance(device_mesh, MeshSpec):
+        return device_mesh
+    return MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))

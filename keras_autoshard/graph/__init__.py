@@ -1,0 +1,1 @@
+"""Axis graph: which tensor axes must share a sharding (backend-neutral)."""

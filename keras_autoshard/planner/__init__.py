@@ -1,0 +1,1 @@
+"""Planner: cost model and exact search from an axis graph to a ShardingPlan."""

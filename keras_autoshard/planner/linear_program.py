@@ -1,0 +1,110 @@
+"""A small mixed-integer linear program builder solved with SciPy's HiGHS."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+from scipy import optimize, sparse
+
+logger = logging.getLogger(__name__)
+
+
+class InfeasibleError(RuntimeError):
+    """The program has no solution (for a plan: nothing fits the budget)."""
+
+
+@dataclasses.dataclass
+class LinearProgram:
+    """Variables with bounds and costs, and linear rows `lb <= a.x <= ub`.
+
+    Example:
+
+    ```python
+    lp = LinearProgram()
+    x = lp.add_var(cost=-1.0, integer=True)
+    y = lp.add_var(cost=-1.0, integer=True)
+    lp.add_row({x: 1.0, y: 1.0}, upper=1.0)
+    values = lp.solve()
+    assert values[x] + values[y] == 1
+    ```
+    """
+
+    costs: list[float] = dataclasses.field(default_factory=list)
+    lower: list[float] = dataclasses.field(default_factory=list)
+    upper: list[float] = dataclasses.field(default_factory=list)
+    integer: list[bool] = dataclasses.field(default_factory=list)
+    rows: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    row_lower: list[float] = dataclasses.field(default_factory=list)
+    row_upper: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.costs)
+
+    def add_var(
+        self,
+        cost: float = 0.0,
+        lower: float = 0.0,
+        upper: float = 1.0,
+        integer: bool = False,
+    ) -> int:
+        self.costs.append(float(cost))
+        self.lower.append(float(lower))
+        self.upper.append(float(upper))
+        self.integer.append(bool(integer))
+        return len(self.costs) - 1
+
+    def add_cost(self, var: int, cost: float) -> None:
+        self.costs[var] += float(cost)
+
+    def add_row(
+        self,
+        coefficients: dict[int, float],
+        lower: float = -np.inf,
+        upper: float = np.inf,
+    ) -> None:
+        if not coefficients:
+            if lower > 0 or upper < 0:
+                raise InfeasibleError("An empty constraint row cannot hold.")
+            return
+        self.rows.append(dict(coefficients))
+        self.row_lower.append(float(lower))
+        self.row_upper.append(float(upper))
+
+    def solve(self, time_limit_s: float = 60.0) -> np.ndarray:
+        """Solve; returns the variable values (integers rounded)."""
+        if self.num_vars == 0:
+            return np.zeros(0)
+        data, row_index, col_index = [], [], []
+        for r, row in enumerate(self.rows):
+            for col, value in row.items():
+                row_index.append(r)
+                col_index.append(col)
+                data.append(value)
+        constraints = []
+        if self.rows:
+            matrix = sparse.csr_array(
+                (data, (row_index, col_index)), shape=(len(self.rows), self.num_vars)
+            )
+            constraints.append(
+                optimize.LinearConstraint(matrix, self.row_lower, self.row_upper)
+            )
+        result = optimize.milp(
+            c=np.asarray(self.costs),
+            integrality=np.asarray(self.integer, dtype=int),
+            bounds=optimize.Bounds(self.lower, self.upper),
+            constraints=constraints,
+            options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
+        )
+        if result.x is None:
+            raise InfeasibleError(f"No solution: {result.message}")
+        if result.status != 0:
+            logger.warning(
+                "MILP stopped early (%s); using best plan found.", result.message
+            )
+        values = np.asarray(result.x)
+        integer_mask = np.asarray(self.integer)
+        values[integer_mask] = np.round(values[integer_mask])
+        return values

@@ -1,0 +1,352 @@
+"""`plan()`: from a Keras model and a mesh to a `ShardingPlan`.
+
+model → abstract trace → axis graph → exact search → plan. No model-specific
+code and no layer-name patterns: the plan follows from the graph and the cost
+model alone (user rules may pin parts of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import keras
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.plan.plan_table import format_bytes
+from keras_autoshard.plan.rules import Spec, match_rules
+from keras_autoshard.plan.sharding_plan import (
+    MeshSpec,
+    PlanError,
+    ShardingPlan,
+    VariableSharding,
+)
+from keras_autoshard.plan.validation import validate_plan_structure
+from keras_autoshard.planner.cost_model import (
+    Assignment,
+    MeshAxis,
+    PlanCost,
+    PlannerOptions,
+    evaluate,
+    tensor_axes,
+)
+from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.roles import class_roles
+from keras_autoshard.planner.search import Pins, search
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_AXIS_NAMES = ("batch", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningResult:
+    """A plan with the evidence behind it."""
+
+    plan: ShardingPlan
+    cost: PlanCost
+    graph: AxisGraph
+    planning_time_s: float
+
+
+def plan(
+    model_or_builder: keras.Model | Callable[[], keras.Model],
+    device_mesh: MeshSpec | keras.distribution.DeviceMesh | None = None,
+    sample_input=None,
+    memory_budget: int | None = None,
+    rules: Mapping[str, Spec] | None = None,
+    device_count: int | None = None,
+    optimizer_slots: int = 2,
+) -> ShardingPlan:
+    """Find a sharding plan for a model on a mesh, automatically.
+
+    Args:
+        model_or_builder: A built `keras.Model`, or a function with no
+            arguments that builds one (it is then built abstractly: no weight
+            is allocated, and the next real build gets the same paths).
+        device_mesh: A `MeshSpec` or `keras.distribution.DeviceMesh`; when
+            `None`, every (data, model) factorisation of `device_count` (all
+            devices by default) is planned and the cheapest is kept.
+        sample_input: One batch of inputs (arrays, a dict of arrays, or
+            `jax.ShapeDtypeStruct`s with the global batch size).
+        memory_budget: Per-device bytes for parameters, gradients, optimizer
+            state and activations; `None` for no limit.
+        rules: Regular expression on variable path → spec, pinned as given;
+            the planner fills in the rest. A rule matching nothing is an error.
+        device_count: Devices to plan for when `device_mesh` is `None`.
+        optimizer_slots: Optimizer state per parameter in parameter copies.
+
+    Returns:
+        A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
+
+    Example:
+
+    ```python
+    plan = keras_autoshard.plan(
+        lambda: keras_hub.models.GPT2Backbone(**config),
+        MeshSpec((2, 4), ("batch", "model")),
+        sample_input={"token_ids": ids, "padding_mask": mask},
+    )
+    print(plan.explain())
+    ```
+    """
+    return plan_with_cost(
+        model_or_builder,
+        device_mesh=device_mesh,
+        sample_input=sample_input,
+        memory_budget=memory_budget,
+        rules=rules,
+        device_count=device_count,
+        optimizer_slots=optimizer_slots,
+    ).plan
+
+
+def plan_with_cost(
+    model_or_builder,
+    device_mesh=None,
+    sample_input=None,
+    memory_budget: int | None = None,
+    rules: Mapping[str, Spec] | None = None,
+    device_count: int | None = None,
+    optimizer_slots: int = 2,
+) -> PlanningResult:
+    """Like `plan`, also returning the estimated cost and the axis graph."""
+    from keras_autoshard.backends.jax.jaxpr_axes import build_axis_graph
+    from keras_autoshard.backends.jax.trace import build_abstract, trace_model
+
+    start = time.perf_counter()
+    if sample_input is None:
+        raise PlanError(
+            "plan() needs sample_input (one global batch, or jax.ShapeDtypeStruct "
+            "leaves with its shapes) to know the activation shapes."
+        )
+    if isinstance(model_or_builder, keras.Model):
+        model = model_or_builder
+    elif callable(model_or_builder):
+        model = build_abstract(model_or_builder)
+    else:
+        raise TypeError(
+            "plan() takes a keras.Model or a function that builds one, got "
+            f"{type(model_or_builder).__name__}."
+        )
+    traced = trace_model(model, sample_input)
+    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+    options = PlannerOptions(
+        memory_budget_bytes=memory_budget, optimizer_slots=optimizer_slots
+    )
+    meshes = _candidate_meshes(device_mesh, device_count)
+    best = None
+    for mesh in meshes:
+        try:
+            candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
+        except InfeasibleError as error:
+            logger.info("Mesh %s: %s", mesh.describe(), error)
+            continue
+        if best is None or _objective(candidate[1]) < _objective(best[1]):
+            best = candidate
+    if best is None:
+        raise PlanError(_no_fit_message(graph, meshes, memory_budget, optimizer_slots))
+    sharding_plan, cost = best
+    return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
+
+
+def _objective(cost: PlanCost) -> float:
+    return cost.communication_bytes + cost.replicated_flops
+
+
+def _candidate_meshes(device_mesh, device_count) -> list[MeshSpec]:
+    if device_mesh is not None:
+        if isinstance(device_mesh, MeshSpec):
+            return [device_mesh]
+        return [MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))]
+    if device_count is None:
+        device_count = len(keras.distribution.list_devices())
+    return [
+        MeshSpec((device_count // m, m), DEFAULT_AXIS_NAMES)
+        for m in range(1, device_count + 1)
+        if device_count % m == 0
+    ]
+
+
+def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
+    axes = tuple(
+        MeshAxis(name, size)
+        for name, size in zip(mesh.axis_names, mesh.shape)
+        if size > 1
+    )
+    pinned_specs = _pinned_specs(variables, rules)
+    pins = _pins_from_specs(graph, pinned_specs, mesh)
+    assignment = search(graph, axes, options, pins)
+    cost = evaluate(graph, axes, assignment, options)
+    return _build_plan(graph, variables, mesh, assignment, cost, pinned_specs), cost
+
+
+def _pinned_specs(variables, rules) -> dict[str, tuple]:
+    if not rules:
+        return {}
+    matched = match_rules([v.path for v in variables], rules)
+    return {path: spec for path, (_, spec) in matched.items()}
+
+
+def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pins:
+    class_axis: dict[int, str | None] = {}
+    fsdp: dict[str, list[tuple[int, str]]] = {}
+    for path, spec in pinned.items():
+        tensor = graph.param(path) if _is_param(graph, path) else None
+        if tensor is None:
+            continue
+        if len(spec) != len(tensor.shape):
+            raise PlanError(
+                f"Rule for {path!r} gives spec {spec} with {len(spec)} entries; "
+                f"the variable has shape {tensor.shape}."
+            )
+        for dim, axis in enumerate(spec):
+            cls = tensor.dim_classes[dim]
+            if cls is None:
+                if axis is not None:
+                    raise PlanError(
+                        f"Rule shards dim {dim} of {path!r} (size 1) on {axis!r}."
+                    )
+                continue
+            shardable = graph.classes[cls].unshardable_reason is None
+            if axis is None or not shardable:
+                if axis is not None:
+                    fsdp.setdefault(path, []).append((dim, axis))
+                elif cls not in class_axis:
+                    class_axis[cls] = None
+                continue
+            previous = class_axis.get(cls, axis)
+            if previous != axis:
+                raise PlanError(
+                    f"Rules disagree: {path!r} dim {dim} on {axis!r}, but another "
+                    f"rule puts the same tensor axis on {previous!r} (they must "
+                    "match, the computation couples them)."
+                )
+            class_axis[cls] = axis
+    return Pins(
+        class_axis=class_axis,
+        fsdp={k: tuple(v) for k, v in fsdp.items()},
+        no_fsdp=frozenset(pinned),
+    )
+
+
+def _is_param(graph: AxisGraph, path: str) -> bool:
+    return any(t.name == path and t.kind == "param" for t in graph.tensors)
+
+
+def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
+    roles = class_roles(graph)
+    by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
+    entries = []
+    for info in variables:
+        tensor = by_name.get(info.path)
+        var_roles = tuple(
+            None if tensor is None or c is None else roles.get(c)
+            for c in (tensor.dim_classes if tensor else (None,) * len(info.shape))
+        )
+        if info.path in pinned:
+            spec, reason = tuple(pinned[info.path]), "user rule"
+        elif tensor is None or not info.dtype.startswith(("float", "bfloat")):
+            spec = (None,) * len(info.shape)
+            reason = "replicated: not a floating-point tensor of the computation"
+        else:
+            spec = tensor_axes(tensor, assignment)
+            reason = _reason(tensor, spec, var_roles, assignment)
+        entries.append(
+            VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
+        )
+    batch_axis = _batch_axis(graph, assignment)
+    plan = ShardingPlan(
+        mesh=mesh,
+        variables=tuple(entries),
+        batch_axis=batch_axis,
+        notes=tuple(_notes(graph, mesh, assignment, roles, cost)),
+    )
+    validate_plan_structure(plan)
+    return plan
+
+
+def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
+    for tensor in graph.tensors:
+        if tensor.kind == "input" and tensor.dim_classes:
+            cls = tensor.dim_classes[0]
+            if cls is not None and cls in assignment.class_axis:
+                return assignment.class_axis[cls]
+    return None
+
+
+def _reason(tensor, spec, var_roles, assignment) -> str:
+    parts = []
+    fsdp_dims = {d for d, _ in assignment.fsdp.get(tensor.name, ())}
+    for dim, axis in enumerate(spec):
+        role = var_roles[dim] or "dim"
+        if axis is None:
+            continue
+        how = "FSDP storage" if dim in fsdp_dims else "follows the computation"
+        parts.append(f"{role} (dim {dim}) on {axis!r}: {how}")
+    if not parts:
+        return "replicated: sharding it would add communication or break no tie"
+    return "; ".join(parts)
+
+
+def _notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
+    notes = []
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    for edge in graph.slice_edges:
+        target_axis = assignment.class_axis.get(edge.target)
+        source_axis = assignment.class_axis.get(edge.source)
+        if target_axis is not None and source_axis != target_axis:
+            source = graph.classes[edge.source]
+            notes.append(
+                f"GQA/MQA: {source.size} key/value heads cannot be split over "
+                f"{target_axis!r} (size {sizes[target_axis]}); they are replicated "
+                "and each device slices the query-head groups it owns (one "
+                "all-reduce of the key/value activations in the backward pass)."
+            )
+    for cls_id, role in roles.items():
+        if role != "vocab":
+            continue
+        cls = graph.classes[cls_id]
+        if cls_id not in assignment.class_axis:
+            bad = [n for n, s in sizes.items() if s > 1 and cls.size % s]
+            if bad:
+                notes.append(
+                    f"Vocabulary of {cls.size} does not divide mesh axis "
+                    f"{bad[0]!r} (size {sizes[bad[0]]}): the embedding is kept "
+                    "whole along it (replicated, or FSDP-sharded on another dim). "
+                    "Pad the vocabulary to a multiple to shard it."
+                )
+    for name, count in graph.unknown_primitives:
+        notes.append(
+            f"Unknown primitive {name!r} ({count}x): its tensors' axes were left "
+            "unsharded (conservative)."
+        )
+    notes.append(
+        f"Estimated per device: parameters {format_bytes(cost.parameter_bytes)}, "
+        f"gradients {format_bytes(cost.gradient_bytes)}, optimizer "
+        f"{format_bytes(cost.optimizer_bytes)}, activations "
+        f"{format_bytes(cost.activation_bytes)}; communication "
+        f"{format_bytes(cost.communication_bytes)} per step ("
+        + ", ".join(
+            f"{a} {format_bytes(b)}" for a, b in cost.communication_by_axis.items()
+        )
+        + ")."
+    )
+    return notes
+
+
+def _no_fit_message(graph, meshes: Sequence[MeshSpec], budget, slots) -> str:
+    params = sum(t.nbytes for t in graph.params())
+    devices = meshes[0].device_count if meshes else 1
+    floor = params * (2 + slots) / devices
+    return (
+        f"No plan fits a per-device budget of {format_bytes(budget or 0)} on "
+        f"{', '.join(m.describe() for m in meshes)}. Parameters, gradients and "
+        f"optimizer state alone need at least {format_bytes(floor)} per device "
+        f"when cut {devices} ways ({format_bytes(params)} of parameters). Raise "
+        "the budget, add devices, or use a smaller batch."
+        + ("" if math.isfinite(floor) else "")
+    )

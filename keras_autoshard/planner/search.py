@@ -1,0 +1,372 @@
+"""Find the cheapest `Assignment` with an exact mixed-integer program.
+
+The program encodes `cost_model.evaluate` exactly: binary `x[c, a]` shards
+axis class `c` on mesh axis `a`; binary `y[p, a]` adds FSDP storage sharding
+of parameter `p` over `a`. A tensor's per-device bytes depend on which mesh
+axes shard it, a product over axes; it is linearised with one-hot "pattern"
+variables `z[t, S]` over the subsets `S` of mesh axes (meshes have few axes),
+and costs that need "event fires on axis a AND tensor is cut by S" use the
+standard AND linearisation. The objective is communication bytes plus the
+penalty for replicated heavy math; the memory budget is a constraint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Mapping
+
+from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
+from keras_autoshard.planner.cost_model import (
+    Assignment,
+    MeshAxis,
+    PlannerOptions,
+    contraction_flops,
+    iteration_classes,
+)
+from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
+
+logger = logging.getLogger(__name__)
+
+# Smallest preference for leaving a class unsharded when nothing else decides.
+_TIE_BREAK_BYTES = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    """Choices fixed before the search (from user rules).
+
+    Args:
+        class_axis: Class id → mesh axis name, or None to forbid sharding it.
+        fsdp: Parameter name → ((dim, axis), ...) storage sharding to force.
+        no_fsdp: Parameter names whose storage must follow `class_axis` only.
+    """
+
+    class_axis: Mapping[int, str | None] = dataclasses.field(default_factory=dict)
+    fsdp: Mapping[str, tuple[tuple[int, str], ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    no_fsdp: frozenset[str] = frozenset()
+
+
+class _Program:
+    """Builds the MILP for one graph and mesh."""
+
+    def __init__(self, graph, axes, options, pins):
+        self.graph: AxisGraph = graph
+        self.axes: tuple[MeshAxis, ...] = axes
+        self.sizes = {a.name: a.size for a in axes}
+        self.options: PlannerOptions = options
+        self.pins: Pins = pins
+        self.lp = LinearProgram()
+        self.x: dict[tuple[int, str], int] = {}
+        self.y: dict[tuple[str, str], tuple[int, int]] = {}  # → (dim, var)
+        self._patterns: dict[tuple, dict[frozenset, int] | None] = {}
+
+    # ------------------------------------------------------------ variables
+    def add_class_vars(self) -> None:
+        eligible = _eligible_classes(self.graph)
+        for cls in self.graph.classes:
+            if cls.id not in eligible or cls.unshardable_reason is not None:
+                continue
+            for axis in self.axes:
+                if cls.size % axis.size:
+                    continue
+                pinned = self.pins.class_axis.get(cls.id, "free")
+                if pinned != "free" and pinned != axis.name:
+                    continue
+                lower = 1.0 if pinned == axis.name else 0.0
+                var = self.lp.add_var(cost=_TIE_BREAK_BYTES, lower=lower, integer=True)
+                self.x[(cls.id, axis.name)] = var
+        for cls_id, axis in self.pins.class_axis.items():
+            if axis is not None and (cls_id, axis) not in self.x:
+                raise InfeasibleError(
+                    f"A rule asks to shard axis class {cls_id} on {axis!r}, which "
+                    "the class's size or shardability does not allow."
+                )
+        for cls in self.graph.classes:
+            row = {
+                self.x[(cls.id, a.name)]: 1.0
+                for a in self.axes
+                if (cls.id, a.name) in self.x
+            }
+            self.lp.add_row(row, upper=1.0)
+
+    def add_fsdp_vars(self) -> None:
+        for tensor in self.graph.params():
+            if tensor.name in self.pins.no_fsdp:
+                continue
+            forced = dict((a, d) for d, a in self.pins.fsdp.get(tensor.name, ()))
+            for axis in self.axes:
+                dim = forced.get(axis.name, _fsdp_dim(tensor, axis.size))
+                if dim is None:
+                    continue
+                lower = 1.0 if axis.name in forced else 0.0
+                var = self.lp.add_var(lower=lower, integer=True)
+                self.y[(tensor.name, axis.name)] = (dim, var)
+                # The axis is not already used by the parameter's classes...
+                row = {var: 1.0}
+                for c in set(tensor.dim_classes) - {None}:
+                    if (c, axis.name) in self.x:
+                        row[self.x[(c, axis.name)]] = 1.0
+                self.lp.add_row(row, upper=1.0)
+                # ...and its FSDP dim is not sharded by any class choice.
+                dim_class = tensor.dim_classes[dim]
+                row = {var: 1.0}
+                for other in self.axes:
+                    if (dim_class, other.name) in self.x:
+                        row[self.x[(dim_class, other.name)]] = 1.0
+                self.lp.add_row(row, upper=1.0)
+            dims_used = {}
+            for axis in self.axes:
+                if (tensor.name, axis.name) in self.y:
+                    dim, var = self.y[(tensor.name, axis.name)]
+                    dims_used.setdefault(dim, []).append(var)
+            for vars_on_dim in dims_used.values():
+                if len(vars_on_dim) > 1:
+                    self.lp.add_row({v: 1.0 for v in vars_on_dim}, upper=1.0)
+
+    def add_conflicts(self) -> None:
+        seen = set()
+        for tensor in self.graph.tensors:
+            classes = frozenset(c for c in tensor.dim_classes if c is not None)
+            if len(classes) < 2 or classes in seen:
+                continue
+            seen.add(classes)
+            for axis in self.axes:
+                row = {
+                    self.x[(c, axis.name)]: 1.0
+                    for c in classes
+                    if (c, axis.name) in self.x
+                }
+                if len(row) > 1:
+                    self.lp.add_row(row, upper=1.0)
+
+    # ------------------------------------------------------------- patterns
+    def shard_count_terms(self, tensor: TensorNode, axis: str, fsdp: bool):
+        terms = {
+            self.x[(c, axis)]: 1.0
+            for c in set(tensor.dim_classes) - {None}
+            if (c, axis) in self.x
+        }
+        if fsdp and tensor.kind == "param" and (tensor.name, axis) in self.y:
+            terms[self.y[(tensor.name, axis)][1]] = 1.0
+        return terms
+
+    def pattern(self, tensor: TensorNode, fsdp: bool) -> dict[frozenset, int] | None:
+        """One-hot over subsets of mesh axes cutting `tensor`; None if constant."""
+        classes = frozenset(c for c in tensor.dim_classes if c is not None)
+        name = tensor.name if (fsdp and tensor.kind == "param") else None
+        key = (classes, name)
+        if key in self._patterns:
+            return self._patterns[key]
+        counts = {
+            a.name: self.shard_count_terms(tensor, a.name, fsdp) for a in self.axes
+        }
+        free_axes = [a for a in self.sizes if counts[a]]
+        if not free_axes:
+            self._patterns[key] = None
+            return None
+        pattern = {}
+        for r in range(len(free_axes) + 1):
+            for subset in itertools.combinations(free_axes, r):
+                pattern[frozenset(subset)] = self.lp.add_var()
+        self.lp.add_row({v: 1.0 for v in pattern.values()}, lower=1.0, upper=1.0)
+        for axis in free_axes:
+            row = {v: 1.0 for s, v in pattern.items() if axis in s}
+            for var, coefficient in counts[axis].items():
+                row[var] = row.get(var, 0.0) - coefficient
+            self.lp.add_row(row, lower=0.0, upper=0.0)
+        self._patterns[key] = pattern
+        return pattern
+
+    def bytes_terms(self, tensor: TensorNode, fsdp: bool, scale: float = 1.0):
+        """(constant, {var: coefficient}) of the tensor's per-device bytes."""
+        pattern = self.pattern(tensor, fsdp)
+        if pattern is None:
+            return scale * tensor.nbytes, {}
+        return 0.0, {
+            v: scale * tensor.nbytes / math.prod(self.sizes[a] for a in s)
+            for s, v in pattern.items()
+        }
+
+    def add_conditional_bytes(self, trigger: int, tensor: TensorNode, weight: float):
+        """Cost weight × tensor bytes when `trigger` is 1 (AND-linearised)."""
+        pattern = self.pattern(tensor, fsdp=False)
+        if pattern is None:
+            self.lp.add_cost(trigger, weight * tensor.nbytes)
+            return
+        for subset, z in pattern.items():
+            coefficient = (
+                weight * tensor.nbytes / math.prod(self.sizes[a] for a in subset)
+            )
+            both = self.lp.add_var(cost=coefficient)
+            self.lp.add_row({both: 1.0, trigger: -1.0, z: -1.0}, lower=-1.0)
+
+    # ---------------------------------------------------------------- costs
+    def add_communication(self) -> None:
+        for event in self.graph.comm_events:
+            tensor = self.graph.tensors[event.tensor]
+            for axis in self.axes:
+                xs = [
+                    self.x[(c, axis.name)]
+                    for c in event.classes
+                    if (c, axis.name) in self.x
+                ]
+                if not xs:
+                    continue
+                fires = self.lp.add_var()
+                for x in xs:
+                    self.lp.add_row({fires: 1.0, x: -1.0}, lower=0.0)
+                self.add_conditional_bytes(fires, tensor, event.multiplicity)
+        for edge in self.graph.slice_edges:
+            tensor = self.graph.tensors[edge.tensor]
+            for axis in self.axes:
+                target = self.x.get((edge.target, axis.name))
+                source = self.x.get((edge.source, axis.name))
+                if source is not None:
+                    row = {source: -1.0}
+                    if target is not None:
+                        row[target] = 1.0
+                    self.lp.add_row(row, lower=0.0)
+                if target is None or not tensor.requires_grad:
+                    continue
+                fires = self.lp.add_var()
+                row = {fires: 1.0, target: -1.0}
+                if source is not None:
+                    row[source] = 1.0
+                self.lp.add_row(row, lower=0.0)
+                self.add_conditional_bytes(fires, tensor, 1.0)
+        for (name, axis), (_, y) in self.y.items():
+            tensor = self.graph.param(name)
+            pattern = self.pattern(tensor, fsdp=True)
+            for subset, z in pattern.items():
+                if axis not in subset:
+                    continue
+                coefficient = tensor.nbytes / math.prod(self.sizes[a] for a in subset)
+                both = self.lp.add_var(cost=coefficient)
+                self.lp.add_row({both: 1.0, y: -1.0, z: -1.0}, lower=-1.0)
+
+    def add_replicated_math_penalty(self) -> None:
+        device_count = math.prod(self.sizes.values())
+        for event in self.graph.comm_events:
+            if event.kind != "contract" or event.phase != "forward":
+                continue
+            flops = contraction_flops(self.graph, event)
+            classes = iteration_classes(self.graph, event)
+            for axis in self.axes:
+                xs = [
+                    self.x[(c, axis.name)] for c in classes if (c, axis.name) in self.x
+                ]
+                if not xs:
+                    continue
+                penalty = (
+                    self.options.replicated_flop_cost
+                    * flops
+                    * (1 - 1 / axis.size)
+                    / device_count
+                )
+                split = self.lp.add_var(cost=-penalty)
+                row = {split: 1.0}
+                for x in xs:
+                    row[x] = -1.0
+                self.lp.add_row(row, upper=0.0)
+
+    def add_memory_budget(self) -> None:
+        budget = self.options.memory_budget_bytes
+        if budget is None:
+            return
+        constant, row = 0.0, {}
+
+        def accumulate(c, terms):
+            nonlocal constant
+            constant += c
+            for var, coefficient in terms.items():
+                row[var] = row.get(var, 0.0) + coefficient
+
+        for tensor in self.graph.tensors:
+            if tensor.kind == "param":
+                copies = 2 + self.options.optimizer_slots
+                accumulate(*self.bytes_terms(tensor, fsdp=True, scale=copies))
+            elif tensor.kind == "state":
+                accumulate(*self.bytes_terms(tensor, fsdp=True))
+        for event in self.graph.comm_events:
+            if event.kind == "contract" and event.phase == "forward":
+                accumulate(*self.bytes_terms(self.graph.tensors[event.tensor], False))
+        if constant > budget:
+            raise InfeasibleError(
+                f"Even fully sharded, {constant / 2**20:.1f} MiB per device cannot "
+                "be cut (replicated parts)."
+            )
+        self.lp.add_row(row, upper=budget - constant)
+
+    # ---------------------------------------------------------------- solve
+    def solve(self) -> Assignment:
+        values = self.lp.solve(time_limit_s=self.options.time_limit_s)
+        class_axis = {c: a for (c, a), var in self.x.items() if values[var] > 0.5}
+        fsdp: dict[str, list[tuple[int, str]]] = {}
+        for (name, axis), (dim, var) in self.y.items():
+            if values[var] > 0.5:
+                fsdp.setdefault(name, []).append((dim, axis))
+        return Assignment(
+            class_axis=class_axis, fsdp={k: tuple(v) for k, v in fsdp.items()}
+        )
+
+
+def search(
+    graph: AxisGraph,
+    axes: tuple[MeshAxis, ...],
+    options: PlannerOptions,
+    pins: Pins | None = None,
+) -> Assignment:
+    """The `Assignment` of least cost that fits the memory budget.
+
+    Args:
+        graph: The model's axis graph.
+        axes: Mesh axes of size > 1.
+        options: Budget and cost knobs.
+        pins: Choices fixed by user rules.
+
+    Returns:
+        The optimal `Assignment` (raises `InfeasibleError` if none fits).
+    """
+    program = _Program(graph, axes, options, pins or Pins())
+    program.add_class_vars()
+    program.add_fsdp_vars()
+    program.add_conflicts()
+    program.add_communication()
+    program.add_replicated_math_penalty()
+    program.add_memory_budget()
+    logger.info(
+        "Planning MILP: %d variables, %d constraints",
+        program.lp.num_vars,
+        len(program.lp.rows),
+    )
+    return program.solve()
+
+
+def _eligible_classes(graph: AxisGraph) -> set[int]:
+    """Classes worth deciding: those of parameters and of comm-event tensors."""
+    eligible = set()
+    for tensor in graph.tensors:
+        if tensor.kind == "param":
+            eligible.update(c for c in tensor.dim_classes if c is not None)
+    for event in graph.comm_events:
+        eligible.update(event.classes)
+        tensor = graph.tensors[event.tensor]
+        eligible.update(c for c in tensor.dim_classes if c is not None)
+    return eligible
+
+
+def _fsdp_dim(tensor: TensorNode, axis_size: int) -> int | None:
+    """The largest dim of `tensor` that `axis_size` divides, or None."""
+    candidates = [
+        (size, -dim)
+        for dim, size in enumerate(tensor.shape)
+        if size % axis_size == 0 and size >= axis_size
+    ]
+    if not candidates:
+        return None
+    return -max(candidates)[1]
