@@ -27,17 +27,18 @@ DEVICE_COUNT = 8
 simulate_devices(DEVICE_COUNT)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
 
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 from benchmarks.markdown import write_section  # noqa: E402
 from benchmarks.measure import CaseResult, Measurement, measure_case  # noqa: E402
-from benchmarks.models import MODELS  # noqa: E402
+from benchmarks.models import MODELS, MegatronMinimum  # noqa: E402
 from benchmarks.report import render_section  # noqa: E402
 from benchmarks.strategies import DATA_AXIS, MODEL_AXIS, STRATEGIES  # noqa: E402
 from keras_autoshard import MeshSpec, names_replayed_after  # noqa: E402
@@ -98,7 +99,7 @@ def run_cases(
     return results
 
 
-def megatron_minima(model_names: Sequence[str]) -> dict:
+def megatron_minima(model_names: Sequence[str]) -> dict[str, MegatronMinimum]:
     """The analytic Megatron minimum of each model on `MESH`."""
     minima = {}
     for name in model_names:
@@ -114,8 +115,12 @@ def regenerate_command(argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "benchmarks.run_benchmarks", *argv])
 
 
-def write_json(path: str, results: Sequence[CaseResult]) -> None:
-    """The raw results, exact byte counts included, as JSON."""
+def write_json(
+    path: str,
+    results: Sequence[CaseResult],
+    minima: Mapping[str, MegatronMinimum],
+) -> None:
+    """The raw results and minima, exact byte counts included, as JSON."""
     records = []
     for result in results:
         record = {"model": result.model, "strategy": result.strategy}
@@ -136,8 +141,15 @@ def write_json(path: str, results: Sequence[CaseResult]) -> None:
         else:
             record["skipped"] = result.reason
         records.append(record)
+    document = {
+        "mesh": {"shape": list(MESH.shape), "axis_names": list(MESH.axis_names)},
+        "megatron_minimum": {
+            name: dataclasses.asdict(minimum) for name, minimum in minima.items()
+        },
+        "results": records,
+    }
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(records, f, indent=2)
+        json.dump(document, f, indent=2)
         f.write("\n")
 
 
@@ -158,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_section(args.output, SECTION_NAME, section)
     if args.json:
-        write_json(args.json, results)
+        write_json(args.json, results, minima)
     console.print(section, markup=False, highlight=False, soft_wrap=True)
     console.print(f"Wrote section {SECTION_NAME!r} of {args.output}.")
     return 0

@@ -17,6 +17,7 @@ import keras
 from keras.src.distribution.distribution_lib import Distribution
 
 from keras_autoshard import (
+    AutoShardDistribution,
     MeshSpec,
     PlanDistribution,
     ShardingPlan,
@@ -24,7 +25,7 @@ from keras_autoshard import (
     names_replayed_after,
     plan_from_rules,
 )
-from keras_autoshard.plan.reference_rules import keras_hub_megatron_plan
+from keras_autoshard.plans.reference_rules import keras_hub_megatron_plan
 
 DATA_AXIS = "batch"
 MODEL_AXIS = "model"
@@ -62,6 +63,12 @@ def handwritten(build_model: ModelBuilder, mesh: MeshSpec) -> Distribution:
     with names_replayed_after():
         reference = build_model()
     return PlanDistribution(handwritten_plan(reference, mesh))
+
+
+def auto(build_model: ModelBuilder, mesh: MeshSpec) -> Distribution:
+    """`AutoShardDistribution`: planned from the graph on the first batch."""
+    del build_model
+    return AutoShardDistribution(device_mesh=mesh)
 
 
 def keras_hub_layout_map(build_model: ModelBuilder, mesh: MeshSpec) -> Distribution:
@@ -117,5 +124,6 @@ STRATEGIES: dict[str, Strategy] = {
     "single": single_device,
     "data_parallel": data_parallel,
     "handwritten": handwritten,
+    "auto": auto,
     "keras_hub_map": keras_hub_layout_map,
 }

@@ -12,12 +12,12 @@ nor fixes its backend: `simulate_devices` and the command line can still set
 import importlib
 
 _PUBLIC_NAMES = {
-    "ActivationLayout": "keras_autoshard.plan.sharding_plan",
-    "MeshSpec": "keras_autoshard.plan.sharding_plan",
-    "PlanError": "keras_autoshard.plan.sharding_plan",
-    "ShardingPlan": "keras_autoshard.plan.sharding_plan",
-    "VariableSharding": "keras_autoshard.plan.sharding_plan",
-    "plan_from_rules": "keras_autoshard.plan.rules",
+    "ActivationLayout": "keras_autoshard.plans.sharding_plan",
+    "MeshSpec": "keras_autoshard.plans.sharding_plan",
+    "PlanError": "keras_autoshard.plans.sharding_plan",
+    "ShardingPlan": "keras_autoshard.plans.sharding_plan",
+    "VariableSharding": "keras_autoshard.plans.sharding_plan",
+    "plan_from_rules": "keras_autoshard.plans.rules",
     "PlanDistribution": "keras_autoshard.apply.plan_distribution",
     "make_device_mesh": "keras_autoshard.apply.device_mesh",
     "DeviceSetupError": "keras_autoshard.devices",

@@ -49,13 +49,13 @@ def demo_batch(batch_size: int, seq_len: int = 32, seed: int = 0):
     return x, y
 
 
-def make_demo_plan(model, mesh_shape):
-    """The plan the demo applies (automatic planner)."""
-    from keras_autoshard.plan.reference_rules import keras_hub_megatron_plan
-    from keras_autoshard.plan.sharding_plan import MeshSpec
+def make_demo_plan(model, mesh_shape, sample_input):
+    """The plan the demo applies, found by the automatic planner."""
+    from keras_autoshard.planner.planner import plan
+    from keras_autoshard.plans.sharding_plan import MeshSpec
 
     mesh = MeshSpec(tuple(mesh_shape), ("batch", "model"))
-    return keras_hub_megatron_plan(model, mesh)
+    return plan(model, mesh, sample_input=sample_input)
 
 
 def run_demo(mesh_shape=(2, 4), steps: int = 5, json_path: str | None = None) -> int:
@@ -80,18 +80,19 @@ def run_demo(mesh_shape=(2, 4), steps: int = 5, json_path: str | None = None) ->
     keras.utils.set_random_seed(0)
     with names_replayed_after():
         reference = build_demo_model()
-    plan = make_demo_plan(reference, mesh_shape)
-    console.print(plan.summary())
+    plan = make_demo_plan(reference, mesh_shape, x)
+    print(plan.summary())
+    print(plan.explain())
 
     distribution = PlanDistribution(plan)
     with distribution.scope():
         sharded = build_demo_model()
         for target, source in zip(sharded.variables, reference.variables):
             target.assign(np.asarray(source.value))
-        sharded.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        sharded.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
         report = inspect_compiled(sharded, distribution, (x, y))
-    reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    console.print(report.table())
+    reference.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    print(report.table())
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             f.write(report.to_json())

@@ -16,7 +16,7 @@ from keras_autoshard import (
     names_replayed_after,
     plan_from_rules,
 )
-from keras_autoshard.plan.sharding_plan import ActivationLayout
+from keras_autoshard.plans.sharding_plan import ActivationLayout
 from tests import models
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

@@ -26,8 +26,8 @@ from keras_autoshard.apply.plan_distribution import (
     PlanDistribution,
     require_jax_backend,
 )
-from keras_autoshard.plan.rules import Spec
-from keras_autoshard.plan.sharding_plan import MeshSpec, PlanError, ShardingPlan
+from keras_autoshard.plans.rules import Spec
+from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import keras
 
-from keras_autoshard.plan.sharding_plan import MeshSpec, PlanError
+from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError
 
 
 def make_device_mesh(

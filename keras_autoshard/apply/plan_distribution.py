@@ -9,12 +9,12 @@ from keras.distribution import TensorLayout
 from keras.src.distribution.distribution_lib import Distribution
 
 from keras_autoshard.apply.device_mesh import make_device_mesh
-from keras_autoshard.plan.sharding_plan import (
+from keras_autoshard.plans.sharding_plan import (
     PlanError,
     ShardingPlan,
     check_mesh_matches,
 )
-from keras_autoshard.plan.validation import spec_problems
+from keras_autoshard.plans.validation import spec_problems
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,28 @@ from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
 
+DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshAxis:
-    """A mesh axis the planner may shard over."""
+    """A mesh axis the planner may shard over.
+
+    Args:
+        name: The mesh axis name.
+        size: Devices along it.
+        data_only: A data-parallel axis: it may shard only the batch (and
+            parameter storage, FSDP-style), never a model dimension. Axes
+            named batch/data/dp/fsdp/replica are data axes.
+    """
 
     name: str
     size: int
+    data_only: bool = False
+
+    @classmethod
+    def named(cls, name: str, size: int) -> MeshAxis:
+        return cls(name, size, data_only=name.lower() in DATA_AXIS_NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +73,15 @@ class PlannerOptions:
             (Adam: 2).
         replicated_flop_cost: Cost, in bytes of communication, of one FLOP
             that a mesh axis repeats on every device instead of splitting.
+            0.25 (4 FLOPs per byte moved) makes devices split all large
+            contractions while small ones (e.g. K/V projections with fewer
+            heads than the axis) may stay whole.
         time_limit_s: Time limit for the exact solver.
     """
 
     memory_budget_bytes: int | None = None
     optimizer_slots: int = 2
-    replicated_flop_cost: float = 1.0
+    replicated_flop_cost: float = 0.25
     time_limit_s: float = 60.0
 
 

@@ -16,15 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 
 from keras_autoshard.graph.axis_graph import AxisGraph
-from keras_autoshard.plan.plan_table import format_bytes
-from keras_autoshard.plan.rules import Spec, match_rules
-from keras_autoshard.plan.sharding_plan import (
-    MeshSpec,
-    PlanError,
-    ShardingPlan,
-    VariableSharding,
-)
-from keras_autoshard.plan.validation import validate_plan_structure
 from keras_autoshard.planner.cost_model import (
     Assignment,
     MeshAxis,
@@ -36,6 +27,15 @@ from keras_autoshard.planner.cost_model import (
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins, search
+from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.rules import Spec, match_rules
+from keras_autoshard.plans.sharding_plan import (
+    MeshSpec,
+    PlanError,
+    ShardingPlan,
+    VariableSharding,
+)
+from keras_autoshard.plans.validation import validate_plan_structure
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _candidate_meshes(device_mesh, device_count) -> list[MeshSpec]:
 
 def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
     axes = tuple(
-        MeshAxis(name, size)
+        MeshAxis.named(name, size)
         for name, size in zip(mesh.axis_names, mesh.shape)
         if size > 1
     )

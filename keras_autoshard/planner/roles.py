@@ -17,9 +17,11 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
     Rules, in order: the inputs' leading dim is `batch`; a dim a lookup indexes
     into a parameter is `vocab`; the class most parameters share is `embed`
     (the residual stream); a parameter class that meets, in one tensor, a class
-    occurring twice there (attention scores over query × key positions) is
-    `heads`; another parameter class in those tensors is `head_dim`; a
-    parameter class that a contraction sums over is `mlp`; the rest `feature`.
+    occurring twice in one tensor is `sequence` (attention scores over query x
+    key positions); a parameter class meeting a sequence class there is
+    `heads`; a class feeding heads through a repeat is `kv_heads`; the other
+    classes of head parameters are `head_dim`; a parameter class that a
+    forward contraction sums over is `mlp`; the rest `feature`.
     """
     roles: dict[int, str] = {}
     for tensor in graph.tensors:
@@ -43,19 +45,36 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
     param_classes = set(param_dim_counts)
     for tensor in graph.tensors:
         counts = Counter(c for c in tensor.dim_classes if c is not None)
-        if not any(n > 1 for n in counts.values()):
-            continue
-        for c in counts:
-            if c in param_classes and c not in roles:
-                roles[c] = "heads"
-    heads = {c for c, r in roles.items() if r == "heads"}
+        for c, n in counts.items():
+            if n > 1:
+                roles.setdefault(c, "sequence")
+    # Attention scores: a tensor where a class repeats (query x key
+    # positions); its other non-batch classes index heads.
+    head_axes = set()
     for tensor in graph.tensors:
+        counts = Counter(c for c in tensor.dim_classes if c is not None)
+        if any(n > 1 for n in counts.values()):
+            head_axes.update(c for c, n in counts.items() if n == 1 and c not in roles)
+    for c in head_axes & param_classes:
+        roles[c] = "heads"
+    heads = head_axes
+    # Classes tied to heads through reshapes or repeats: a bigger one is a
+    # fused heads x head_dim dim, a smaller one feeds heads by repetition.
+    for edge in graph.slice_edges:
+        for end, other in ((edge.source, edge.target), (edge.target, edge.source)):
+            if other in heads and end in param_classes and end not in roles:
+                bigger = graph.classes[end].size > graph.classes[other].size
+                roles[end] = "heads" if bigger else "kv_heads"
+    for tensor in graph.params():
         classes = set(tensor.dim_classes) - {None}
         if classes & heads:
-            for c in classes & param_classes:
+            for c in classes:
                 roles.setdefault(c, "head_dim")
     contracted = {
-        c for e in graph.comm_events if e.kind == "contract" for c in e.classes
+        c
+        for e in graph.comm_events
+        if e.kind == "contract" and e.phase == "forward"
+        for c in e.classes
     }
     for c in param_classes:
         if c not in roles:

@@ -68,16 +68,21 @@ class _Program:
     # ------------------------------------------------------------ variables
     def add_class_vars(self) -> None:
         eligible = _eligible_classes(self.graph)
+        batch_classes = _batch_classes(self.graph)
         for cls in self.graph.classes:
             if cls.id not in eligible or cls.unshardable_reason is not None:
                 continue
             for axis in self.axes:
                 if cls.size % axis.size:
                     continue
+                if axis.data_only and cls.id not in batch_classes:
+                    continue
                 pinned = self.pins.class_axis.get(cls.id, "free")
                 if pinned != "free" and pinned != axis.name:
                     continue
-                lower = 1.0 if pinned == axis.name else 0.0
+                # A data axis splits the batch whenever the batch divides.
+                forced = pinned == axis.name or (axis.data_only and pinned == "free")
+                lower = 1.0 if forced else 0.0
                 var = self.lp.add_var(cost=_TIE_BREAK_BYTES, lower=lower, integer=True)
                 self.x[(cls.id, axis.name)] = var
         for cls_id, axis in self.pins.class_axis.items():
@@ -358,6 +363,15 @@ def _eligible_classes(graph: AxisGraph) -> set[int]:
         tensor = graph.tensors[event.tensor]
         eligible.update(c for c in tensor.dim_classes if c is not None)
     return eligible
+
+
+def _batch_classes(graph: AxisGraph) -> set[int]:
+    """Classes of the inputs' leading (batch) dimension."""
+    return {
+        t.dim_classes[0]
+        for t in graph.tensors
+        if t.kind == "input" and t.dim_classes and t.dim_classes[0] is not None
+    }
 
 
 def _fsdp_dim(tensor: TensorNode, axis_size: int) -> int | None:

@@ -11,7 +11,7 @@ import jax
 from keras.src.backend.jax.trainer import _distribute_data
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_autoshard.plan.sharding_plan import MeshSpec
+from keras_autoshard.plans.sharding_plan import MeshSpec, unique_variables
 from keras_autoshard.report.compiled_report import (
     CompiledReport,
     CompiledStep,
@@ -66,7 +66,7 @@ def inspect_compiled(model, distribution, sample_batch) -> CompiledReport:
     return CompiledReport(
         mesh=mesh,
         parameters=tuple(
-            _variable_shards(v, device_ids) for v in _unique(model.variables)
+            _variable_shards(v, device_ids) for v in unique_variables(model.variables)
         ),
         optimizer_state=tuple(
             _variable_shards(v, device_ids) for v in model.optimizer.variables
@@ -136,11 +136,3 @@ def _variable_shards(variable, device_ids) -> VariableShards:
         spec=tuple(None if a is None else str(a) for a in spec),
         bytes_by_device=tuple(bytes_by_id[i] for i in device_ids),
     )
-
-
-def _unique(variables):
-    seen = set()
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            yield v

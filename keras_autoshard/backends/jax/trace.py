@@ -23,6 +23,7 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_autoshard.naming import names_replayed_after
+from keras_autoshard.plans.sharding_plan import unique_variables
 
 logger = logging.getLogger(__name__)
 
@@ -168,16 +169,6 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             for name, (_, leaf) in zip(input_names, input_leaves)
         },
     )
-
-
-def unique_variables(variables) -> list:
-    seen = set()
-    result = []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            result.append(v)
-    return result
 
 
 def _struct(variable) -> jax.ShapeDtypeStruct:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from keras_autoshard.plan.rules import Spec, plan_from_rules
-from keras_autoshard.plan.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.rules import Spec, plan_from_rules
+from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 
 
 def keras_hub_megatron_rules(

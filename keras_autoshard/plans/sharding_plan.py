@@ -374,9 +374,19 @@ class ShardingPlan:
 
     def summary(self, max_rows: int | None = None) -> str:
         """The plan as a text table (path, shape, spec, roles, bytes per device)."""
-        from keras_autoshard.plan.plan_table import render_plan_table
+        from keras_autoshard.plans.plan_table import render_plan_table
 
         return render_plan_table(self, max_rows=max_rows)
+
+    def explain(self) -> str:
+        """Why each variable is cut as it is: its roles and the deciding cost."""
+        lines = [f"Plan on mesh {self.mesh.describe()}, batch on {self.batch_axis!r}"]
+        for v in self.variables:
+            roles = ", ".join(r or "?" for r in v.roles)
+            spec = ", ".join(a or "-" for a in v.spec)
+            lines.append(f"{v.path} [{roles}] -> ({spec}): {v.reason or 'no reason'}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
 
     def validate(self, model) -> None:
         """Check that this plan fits `model`; raise `PlanError` listing each problem.
@@ -389,7 +399,7 @@ class ShardingPlan:
         Args:
             model: A built `keras.Model` (or anything with `.variables`).
         """
-        from keras_autoshard.plan.validation import validate_plan_against_variables
+        from keras_autoshard.plans.validation import validate_plan_against_variables
 
         validate_plan_against_variables(self, unique_variables(model.variables))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from keras_autoshard.plan.sharding_plan import (
+from keras_autoshard.plans.sharding_plan import (
     MeshSpec,
     PlanError,
     ShardingPlan,

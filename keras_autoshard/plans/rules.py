@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from keras_autoshard.plan.sharding_plan import (
+from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
     MeshSpec,
     PlanError,
     ShardingPlan,
     VariableSharding,
 )
-from keras_autoshard.plan.validation import validate_plan_structure
+from keras_autoshard.plans.validation import validate_plan_structure
 
 Spec = Sequence[str | None]
 

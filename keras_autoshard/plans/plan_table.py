@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from keras_autoshard.plan.sharding_plan import ShardingPlan
+from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
 def format_bytes(num_bytes: float) -> str:

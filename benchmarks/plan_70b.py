@@ -1,0 +1,79 @@
+"""Plan a Llama-2-70B-shaped model without allocating weights; time and RSS.
+
+Run in its own process (peak RSS is per process):
+`python -m benchmarks.plan_70b [--output BENCHMARKS.md]`. It writes the
+`planning-70b` section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output", default="BENCHMARKS.md")
+    parser.add_argument("--mesh", default="32x8", help="data x model, e.g. 32x8")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=4096)
+    args = parser.parse_args()
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import jax
+    import keras_hub
+    import numpy as np
+
+    from benchmarks.markdown import write_section
+    from keras_autoshard import MeshSpec
+    from keras_autoshard.planner.planner import plan_with_cost
+    from keras_autoshard.plans.plan_table import format_bytes
+
+    def build():
+        return keras_hub.models.LlamaBackbone(
+            vocabulary_size=32000,
+            num_layers=80,
+            num_query_heads=64,
+            num_key_value_heads=8,
+            hidden_dim=8192,
+            intermediate_dim=28672,
+        )
+
+    data, model = (int(s) for s in args.mesh.split("x"))
+    mesh = MeshSpec((data, model), ("batch", "model"))
+    inputs = {
+        "token_ids": jax.ShapeDtypeStruct((args.batch, args.seq), np.int32),
+        "padding_mask": jax.ShapeDtypeStruct((args.batch, args.seq), np.int32),
+    }
+    start = time.perf_counter()
+    result = plan_with_cost(build, mesh, sample_input=inputs)
+    seconds = time.perf_counter() - start
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cost = result.cost
+    params = result.plan.total_bytes()
+    lines = [
+        "## Planning a Llama-2-70B-shaped model (no weights allocated)",
+        "",
+        f"Command: `python -m benchmarks.plan_70b --mesh {args.mesh} "
+        f"--batch {args.batch} --seq {args.seq}` (one process; 2-core CPU).",
+        "",
+        "| mesh | parameters (total) | planning time | peak RSS | "
+        "params/device | grads/device | optimizer/device | activations/device "
+        "(estimate) | communication/step/device (estimate) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        f"| {mesh.describe()} | {format_bytes(params)} | {seconds:.1f} s | "
+        f"{format_bytes(peak_rss)} | {format_bytes(cost.parameter_bytes)} | "
+        f"{format_bytes(cost.gradient_bytes)} | {format_bytes(cost.optimizer_bytes)}"
+        f" | {format_bytes(cost.activation_bytes)} | "
+        f"{format_bytes(cost.communication_bytes)} |",
+        "",
+        "Notes: " + " ".join(n for n in result.plan.notes if "GQA" in n)[:400],
+    ]
+    write_section(args.output, "planning-70b", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The automatic planner: Megatron-shaped plans found from the graph alone,
+parity with the single-device model, rules, budgets and errors."""
+
+import numpy as np
+import pytest
+
+import keras_autoshard as ka
+from keras_autoshard import MeshSpec, PlanError
+from keras_autoshard.planner.planner import plan_with_cost
+from tests import zoo
+from tests.parity import check_parity
+
+MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))
+MESH_1x8 = MeshSpec((1, 8), ("batch", "model"))
+MESH_8x1 = MeshSpec((8, 1), ("batch", "model"))
+TRANSFORMERS = ["gpt2", "bert", "opt", "gemma", "llama", "subclassed"]
+
+
+def _plan(name, mesh, **kwargs):
+    build, batch = zoo.ZOO[name]
+    return ka.plan(build, mesh, sample_input=batch(), **kwargs)
+
+
+def _dims_with_role(plan, role):
+    return [
+        (v, dim) for v in plan.variables for dim, r in enumerate(v.roles) if r == role
+    ]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_transformer_plan_is_megatron_shaped_on_the_model_axis(name):
+    plan = _plan(name, MESH_2x4)
+    assert plan.batch_axis == "batch"
+    heads = _dims_with_role(plan, "heads")
+    mlp = _dims_with_role(plan, "mlp")
+    assert heads and mlp, "the planner must recognise heads and MLP dims"
+    # Query heads and MLP hidden units are split over the model axis (column
+    # then row): every parameter dim with those roles is sharded on it.
+    for variable, dim in heads + mlp:
+        assert variable.spec[dim] == "model", (variable.path, variable.spec)
+    # The residual stream is never cut on the model axis.
+    for variable, dim in _dims_with_role(plan, "embed"):
+        assert variable.spec[dim] != "model", (variable.path, variable.spec)
+
+
+def test_gqa_keeps_kv_heads_whole_and_says_so():
+    plan = _plan("llama", MESH_2x4)
+    kv = _dims_with_role(plan, "kv_heads")
+    assert kv and all(v.spec[d] is None for v, d in kv)
+    assert any("GQA/MQA: 2 key/value heads" in n for n in plan.notes)
+
+
+def test_vocabulary_that_does_not_divide_is_replicated_with_a_note():
+    plan = _plan("opt", MESH_2x4)
+    embedding = plan.variable("embeddings/token_embedding/embeddings")
+    assert embedding.spec[0] is None
+    assert any("Vocabulary of 1003 does not divide" in n for n in plan.notes)
+
+
+def test_tied_embedding_has_one_plan_for_lookup_and_projection():
+    plan = _plan("tied", MESH_2x4)
+    [embedding] = [v for v in plan.variables if v.path.endswith("embeddings")]
+    assert embedding.roles == ("vocab", "embed")
+    assert embedding.spec == ("model", None)
+
+
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_1x8, MESH_8x1], ids=str)
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_a_valid_plan_is_found_for_every_model_and_mesh(name, mesh):
+    plan = _plan(name, mesh)
+    build, _ = zoo.ZOO[name]
+    from keras_autoshard.backends.jax.trace import build_abstract
+
+    plan.validate(build_abstract(build))
+    if mesh.shape[0] > 1:
+        assert plan.batch_axis == "batch"
+
+
+def test_planning_allocates_no_weights():
+    from keras_autoshard.backends.jax.trace import build_abstract
+
+    model = build_abstract(zoo.llama)
+    ka.plan(model, MESH_2x4, sample_input=zoo.token_inputs(1024))
+    assert all(v._value is None for v in model.variables)
+
+
+def test_explain_gives_role_and_reason_per_variable():
+    plan = _plan("gpt2", MESH_2x4)
+    text = plan.explain()
+    assert "transformer_layer_0/self_attention/query/kernel" in text
+    assert "heads (dim 1) on 'model'" in text
+    assert "Estimated per device" in text
+
+
+def test_rules_pin_part_of_the_plan_and_the_planner_fills_the_rest():
+    rules = {r".*feedforward_intermediate_dense/kernel": (None, None)}
+    plan = _plan("gpt2", MESH_2x4, rules=rules)
+    pinned = plan.variable("transformer_layer_0/feedforward_intermediate_dense/kernel")
+    assert pinned.spec == (None, None) and pinned.reason == "user rule"
+    query = plan.variable("transformer_layer_0/self_attention/query/kernel")
+    assert query.spec == (None, "model", None)
+
+
+def test_rule_that_matches_nothing_is_an_error():
+    with pytest.raises(PlanError, match="match no variable"):
+        _plan("gpt2", MESH_2x4, rules={r".*does_not_exist.*": (None,)})
+
+
+def test_memory_budget_is_respected_and_impossible_budget_is_an_error():
+    build, batch = zoo.ZOO["gpt2"]
+    free = plan_with_cost(build, MESH_8x1, sample_input=batch())
+    total = free.plan.total_bytes()
+    budget = int(1.05 * 4 * total / 8) + free.cost.activation_bytes
+    tight = plan_with_cost(build, MESH_8x1, sample_input=batch(), memory_budget=budget)
+    assert tight.cost.memory_bytes <= budget
+    assert tight.plan.bytes_per_device() < free.plan.bytes_per_device()
+    with pytest.raises(PlanError, match="No plan fits"):
+        ka.plan(build, MESH_8x1, sample_input=batch(), memory_budget=1024)
+
+
+def test_mesh_shape_is_chosen_by_cost_when_not_given():
+    plan = _plan("gpt2", None, device_count=8)
+    assert plan.mesh.device_count == 8 and plan.mesh.axis_names == ("batch", "model")
+
+
+@pytest.mark.parametrize(
+    "name, mesh",
+    [
+        ("gpt2", MESH_2x4),
+        ("llama", MESH_2x4),
+        ("mlp", MESH_8x1),
+        ("cnn", MESH_2x4),
+        ("subclassed", MESH_1x8),
+        ("tied", MESH_2x4),
+    ],
+)
+def test_auto_plan_matches_single_device_after_5_adam_steps(name, mesh):
+    build, batch = zoo.ZOO[name]
+    x = batch()
+    y_shape = _output_shape(build, x)
+    y = np.random.default_rng(1).standard_normal(y_shape).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=mesh)
+    _, sharded = check_parity(build, dist, x, y)
+    assert dist.is_planned
+    for v in sharded.trainable_variables:
+        expected = dist.plan.variable(v.path).bytes_per_device(mesh)
+        assert {s.data.nbytes for s in v.value.addressable_shards} == {expected}
+
+
+def _output_shape(build, x):
+    from keras_autoshard.backends.jax.trace import build_abstract, trace_model
+
+    traced = trace_model(build_abstract(build), x)
+    return tuple(traced.closed_jaxpr.out_avals[0].shape)
+
+
+def test_fit_evaluate_predict_under_auto_shard_distribution():
+    build, batch = zoo.ZOO["gpt2"]
+    x = batch()
+    y = np.random.default_rng(1).standard_normal((8, zoo.SEQ, 256)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=MESH_2x4)
+    with dist.scope():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        loss = model.evaluate(x, y, batch_size=8, verbose=0)
+        out = model.predict(x, batch_size=8, verbose=0)
+    assert dist.is_planned and dist.plan.batch_axis == "batch"
+    assert np.isfinite(history.history["loss"]).all() and np.isfinite(loss)
+    assert out.shape == (8, zoo.SEQ, 256)
+    query = model.get_layer("transformer_layer_0")._self_attention_layer._query_dense
+    assert query.kernel.value.sharding.spec[1] == "model"
+    slot_specs = {
+        tuple(v.value.sharding.spec)
+        for v in model.optimizer.variables
+        if "query_kernel" in v.path
+    }
+    assert slot_specs == {(None, "model", None)}
