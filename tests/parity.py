@@ -13,6 +13,7 @@ import numpy as np
 from keras_autoshard import names_replayed_after
 
 RELATIVE_TOLERANCE = 1e-5
+PARITY_SEED = 1234
 
 
 def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
@@ -42,13 +43,23 @@ def mse_gradients(model, x, y):
 
     def loss_fn(trainable_values):
         y_pred, _ = model.stateless_call(trainable_values, non_trainable, x)
-        return jnp.mean(jnp.square(y_pred - y))
+        errors = jax.tree_util.tree_map(
+            lambda p, t: jnp.mean(jnp.square(p - t)), y_pred, y
+        )
+        return sum(jax.tree_util.tree_leaves(errors))
 
     return jax.jit(jax.grad(loss_fn))(trainable)
 
 
 def build_pair(build, distribution):
-    """(reference model on one device, sharded model) with identical weights."""
+    """(reference model on one device, sharded model) with identical weights.
+
+    The initial weights are seeded so that a run is reproducible: a ReLU input
+    within rounding distance of zero is a real kink (the two models may take
+    different sides of it), and a fixed seed keeps that from turning an
+    unrelated run red by chance.
+    """
+    keras.utils.set_random_seed(PARITY_SEED)
     with names_replayed_after():
         reference = build()
     with distribution.scope():
@@ -84,7 +95,12 @@ def check_parity(build, distribution, x, y, steps: int = 5):
     with distribution.scope():
         x_sharded = distribute_batch(distribution, x)
         y_sharded = distribute_batch(distribution, y)
-        assert_close(sharded(x_sharded), reference(x), "forward output")
+        outputs = zip(
+            jax.tree_util.tree_leaves(sharded(x_sharded)),
+            jax.tree_util.tree_leaves(reference(x)),
+        )
+        for index, (out_sharded, out_reference) in enumerate(outputs):
+            assert_close(out_sharded, out_reference, f"forward output {index}")
         grads_sharded = mse_gradients(sharded, x_sharded, y_sharded)
     grads_reference = mse_gradients(reference, x, y)
     # A gradient's scale is judged against 1e-3 of the largest gradient.

@@ -110,9 +110,9 @@ def test_memory_budget_is_respected_and_impossible_budget_is_an_error():
     build, batch = zoo.ZOO["gpt2"]
     free = plan_with_cost(build, MESH_8x1, sample_input=batch())
     total = free.plan.total_bytes()
-    budget = int(1.05 * 4 * total / 8) + free.cost.activation_bytes
+    budget = int(1.05 * 3 * total / 8)  # parameters + 2 Adam slots, cut 8 ways
     tight = plan_with_cost(build, MESH_8x1, sample_input=batch(), memory_budget=budget)
-    assert tight.cost.memory_bytes <= budget
+    assert tight.cost.state_bytes <= budget
     assert tight.plan.bytes_per_device() < free.plan.bytes_per_device()
     with pytest.raises(PlanError, match="No plan fits"):
         ka.plan(build, MESH_8x1, sample_input=batch(), memory_budget=1024)
@@ -123,22 +123,12 @@ def test_mesh_shape_is_chosen_by_cost_when_not_given():
     assert plan.mesh.device_count == 8 and plan.mesh.axis_names == ("batch", "model")
 
 
-@pytest.mark.parametrize(
-    "name, mesh",
-    [
-        ("gpt2", MESH_2x4),
-        ("llama", MESH_2x4),
-        ("mlp", MESH_8x1),
-        ("cnn", MESH_2x4),
-        ("subclassed", MESH_1x8),
-        ("tied", MESH_2x4),
-    ],
-)
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_1x8, MESH_8x1], ids=str)
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
 def test_auto_plan_matches_single_device_after_5_adam_steps(name, mesh):
     build, batch = zoo.ZOO[name]
     x = batch()
-    y_shape = _output_shape(build, x)
-    y = np.random.default_rng(1).standard_normal(y_shape).astype("float32")
+    y = zoo.random_targets(build, x)
     dist = ka.AutoShardDistribution(device_mesh=mesh)
     _, sharded = check_parity(build, dist, x, y)
     assert dist.is_planned

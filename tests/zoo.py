@@ -213,3 +213,23 @@ ZOO = {
         ),
     ),
 }
+
+
+def random_targets(build, x, seed=1):
+    """Random regression targets shaped like the model's outputs (any tree)."""
+    import jax
+
+    from keras_autoshard.backends.jax.trace import build_abstract, shape_structs
+
+    model = build_abstract(build)
+    trainable = shape_structs([v for v in model.trainable_variables])
+    non_trainable = shape_structs([v for v in model.non_trainable_variables])
+
+    def forward(tv, ntv, inputs):
+        return model.stateless_call(tv, ntv, inputs)[0]
+
+    spec = jax.eval_shape(forward, trainable, non_trainable, shape_structs(x))
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda s: rng.standard_normal(tuple(s.shape)).astype("float32"), spec
+    )

@@ -39,8 +39,8 @@ class AutoShardDistribution(Distribution):
         device_mesh: A `keras.distribution.DeviceMesh` (or `MeshSpec`). When
             `None`, the planner picks a (data, model) mesh shape over all
             devices by cost.
-        memory_budget: Per-device bytes for parameters, gradients, optimizer
-            state and activations; `None` means no limit.
+        memory_budget: Per-device bytes for parameters and optimizer state;
+            `None` means no limit.
         rules: Regular expression on variable path → spec, pinned; the
             planner fills in the rest.
         sample_input: A batch (or `jax.ShapeDtypeStruct`s) to plan with;

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
 
 DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
+MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,24 @@ class MeshAxis:
         data_only: A data-parallel axis: it may shard only the batch (and
             parameter storage, FSDP-style), never a model dimension. Axes
             named batch/data/dp/fsdp/replica are data axes.
+        model_only: A tensor-parallel axis: it never shards the batch. Axes
+            named model/tensor/tp/mp are model axes. Other names: free.
     """
 
     name: str
     size: int
     data_only: bool = False
+    model_only: bool = False
 
     @classmethod
     def named(cls, name: str, size: int) -> MeshAxis:
-        return cls(name, size, data_only=name.lower() in DATA_AXIS_NAMES)
+        lowered = name.lower()
+        return cls(
+            name,
+            size,
+            data_only=lowered in DATA_AXIS_NAMES,
+            model_only=lowered in MODEL_AXIS_NAMES,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +77,10 @@ class PlannerOptions:
     """Knobs of the cost model and search.
 
     Args:
-        memory_budget_bytes: Per-device limit on parameters + gradients +
-            optimizer state + activation estimate; `None` for no limit.
+        memory_budget_bytes: Per-device limit on the state devices keep
+            between steps: parameters (and other variables) plus optimizer
+            slots; `None` for no limit. Gradients and activations are
+            estimated and reported, not budgeted.
         optimizer_slots: Optimizer state per parameter, in parameter copies
             (Adam: 2).
         replicated_flop_cost: Cost, in bytes of communication, of one FLOP
@@ -98,13 +110,14 @@ class PlanCost:
     replicated_flops: float
 
     @property
+    def state_bytes(self) -> int:
+        """Parameters + optimizer state per device: what the budget limits."""
+        return self.parameter_bytes + self.optimizer_bytes
+
+    @property
     def memory_bytes(self) -> int:
-        return (
-            self.parameter_bytes
-            + self.gradient_bytes
-            + self.optimizer_bytes
-            + self.activation_bytes
-        )
+        """State plus the gradient and activation estimates."""
+        return self.state_bytes + self.gradient_bytes + self.activation_bytes
 
 
 def tensor_axes(tensor: TensorNode, assignment: Assignment) -> tuple[str | None, ...]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -72,8 +71,8 @@ def plan(
             devices by default) is planned and the cheapest is kept.
         sample_input: One batch of inputs (arrays, a dict of arrays, or
             `jax.ShapeDtypeStruct`s with the global batch size).
-        memory_budget: Per-device bytes for parameters, gradients, optimizer
-            state and activations; `None` for no limit.
+        memory_budget: Per-device bytes for the state kept between steps
+            (parameters and optimizer state); `None` for no limit.
         rules: Regular expression on variable path → spec, pinned as given;
             the planner fills in the rest. A rule matching nothing is an error.
         device_count: Devices to plan for when `device_mesh` is `None`.
@@ -341,12 +340,11 @@ def _notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
 def _no_fit_message(graph, meshes: Sequence[MeshSpec], budget, slots) -> str:
     params = sum(t.nbytes for t in graph.params())
     devices = meshes[0].device_count if meshes else 1
-    floor = params * (2 + slots) / devices
+    floor = params * (1 + slots) / devices
     return (
         f"No plan fits a per-device budget of {format_bytes(budget or 0)} on "
-        f"{', '.join(m.describe() for m in meshes)}. Parameters, gradients and "
-        f"optimizer state alone need at least {format_bytes(floor)} per device "
+        f"{', '.join(m.describe() for m in meshes)}. Parameters and optimizer "
+        f"state alone need at least {format_bytes(floor)} per device "
         f"when cut {devices} ways ({format_bytes(params)} of parameters). Raise "
-        "the budget, add devices, or use a smaller batch."
-        + ("" if math.isfinite(floor) else "")
+        "the budget or add devices."
     )

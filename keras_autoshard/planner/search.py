@@ -62,7 +62,7 @@ class _Program:
         self.pins: Pins = pins
         self.lp = LinearProgram()
         self.x: dict[tuple[int, str], int] = {}
-        self.y: dict[tuple[str, str], tuple[int, int]] = {}  # → (dim, var)
+        self.y: dict[tuple[str, str], dict[int, int]] = {}  # → {dim: var}
         self._patterns: dict[tuple, dict[frozenset, int] | None] = {}
 
     # ------------------------------------------------------------ variables
@@ -76,6 +76,8 @@ class _Program:
                 if cls.size % axis.size:
                     continue
                 if axis.data_only and cls.id not in batch_classes:
+                    continue
+                if axis.model_only and cls.id in batch_classes:
                     continue
                 pinned = self.pins.class_axis.get(cls.id, "free")
                 if pinned != "free" and pinned != axis.name:
@@ -100,38 +102,39 @@ class _Program:
             self.lp.add_row(row, upper=1.0)
 
     def add_fsdp_vars(self) -> None:
+        """`y[p, a, d]`: store parameter `p` cut over axis `a` along dim `d`."""
         for tensor in self.graph.params():
             if tensor.name in self.pins.no_fsdp:
                 continue
-            forced = dict((a, d) for d, a in self.pins.fsdp.get(tensor.name, ()))
+            forced = {a: d for d, a in self.pins.fsdp.get(tensor.name, ())}
+            vars_by_dim: dict[int, list[int]] = {}
             for axis in self.axes:
-                dim = forced.get(axis.name, _fsdp_dim(tensor, axis.size))
-                if dim is None:
-                    continue
+                dims = (
+                    [forced[axis.name]]
+                    if axis.name in forced
+                    else _fsdp_dims(tensor, axis.size)
+                )
                 lower = 1.0 if axis.name in forced else 0.0
-                var = self.lp.add_var(lower=lower, integer=True)
-                self.y[(tensor.name, axis.name)] = (dim, var)
-                # The axis is not already used by the parameter's classes...
-                row = {var: 1.0}
+                by_dim = {d: self.lp.add_var(lower=lower, integer=True) for d in dims}
+                if not by_dim:
+                    continue
+                self.y[(tensor.name, axis.name)] = by_dim
+                # One dim per axis, and only an axis the classes do not use.
+                row = dict.fromkeys(by_dim.values(), 1.0)
                 for c in set(tensor.dim_classes) - {None}:
                     if (c, axis.name) in self.x:
                         row[self.x[(c, axis.name)]] = 1.0
                 self.lp.add_row(row, upper=1.0)
-                # ...and its FSDP dim is not sharded by any class choice.
-                dim_class = tensor.dim_classes[dim]
-                row = {var: 1.0}
+                for d, var in by_dim.items():
+                    vars_by_dim.setdefault(d, []).append(var)
+            # One axis per dim, counting the class choice for that dim.
+            for d, fsdp_vars in vars_by_dim.items():
+                row = dict.fromkeys(fsdp_vars, 1.0)
+                dim_class = tensor.dim_classes[d]
                 for other in self.axes:
                     if (dim_class, other.name) in self.x:
                         row[self.x[(dim_class, other.name)]] = 1.0
                 self.lp.add_row(row, upper=1.0)
-            dims_used = {}
-            for axis in self.axes:
-                if (tensor.name, axis.name) in self.y:
-                    dim, var = self.y[(tensor.name, axis.name)]
-                    dims_used.setdefault(dim, []).append(var)
-            for vars_on_dim in dims_used.values():
-                if len(vars_on_dim) > 1:
-                    self.lp.add_row({v: 1.0 for v in vars_on_dim}, upper=1.0)
 
     def add_conflicts(self) -> None:
         seen = set()
@@ -156,8 +159,9 @@ class _Program:
             for c in set(tensor.dim_classes) - {None}
             if (c, axis) in self.x
         }
-        if fsdp and tensor.kind == "param" and (tensor.name, axis) in self.y:
-            terms[self.y[(tensor.name, axis)][1]] = 1.0
+        if fsdp and tensor.kind == "param":
+            for var in self.y.get((tensor.name, axis), {}).values():
+                terms[var] = 1.0
         return terms
 
     def pattern(self, tensor: TensorNode, fsdp: bool) -> dict[frozenset, int] | None:
@@ -244,15 +248,20 @@ class _Program:
                     row[source] = 1.0
                 self.lp.add_row(row, lower=0.0)
                 self.add_conditional_bytes(fires, tensor, 1.0)
-        for (name, axis), (_, y) in self.y.items():
+        for (name, axis), by_dim in self.y.items():
             tensor = self.graph.param(name)
             pattern = self.pattern(tensor, fsdp=True)
+            gathered = self.lp.add_var()  # this parameter is FSDP-cut over axis
+            row = {gathered: 1.0}
+            for y in by_dim.values():
+                row[y] = -1.0
+            self.lp.add_row(row, lower=0.0)
             for subset, z in pattern.items():
                 if axis not in subset:
                     continue
                 coefficient = tensor.nbytes / math.prod(self.sizes[a] for a in subset)
                 both = self.lp.add_var(cost=coefficient)
-                self.lp.add_row({both: 1.0, y: -1.0, z: -1.0}, lower=-1.0)
+                self.lp.add_row({both: 1.0, gathered: -1.0, z: -1.0}, lower=-1.0)
 
     def add_replicated_math_penalty(self) -> None:
         device_count = math.prod(self.sizes.values())
@@ -280,26 +289,19 @@ class _Program:
                 self.lp.add_row(row, upper=0.0)
 
     def add_memory_budget(self) -> None:
+        """Parameters + optimizer state per device within the budget."""
         budget = self.options.memory_budget_bytes
         if budget is None:
             return
         constant, row = 0.0, {}
-
-        def accumulate(c, terms):
-            nonlocal constant
-            constant += c
+        for tensor in self.graph.tensors:
+            if tensor.kind not in ("param", "state"):
+                continue
+            copies = 1 + (self.options.optimizer_slots if tensor.kind == "param" else 0)
+            tensor_constant, terms = self.bytes_terms(tensor, fsdp=True, scale=copies)
+            constant += tensor_constant
             for var, coefficient in terms.items():
                 row[var] = row.get(var, 0.0) + coefficient
-
-        for tensor in self.graph.tensors:
-            if tensor.kind == "param":
-                copies = 2 + self.options.optimizer_slots
-                accumulate(*self.bytes_terms(tensor, fsdp=True, scale=copies))
-            elif tensor.kind == "state":
-                accumulate(*self.bytes_terms(tensor, fsdp=True))
-        for event in self.graph.comm_events:
-            if event.kind == "contract" and event.phase == "forward":
-                accumulate(*self.bytes_terms(self.graph.tensors[event.tensor], False))
         if constant > budget:
             raise InfeasibleError(
                 f"Even fully sharded, {constant / 2**20:.1f} MiB per device cannot "
@@ -312,9 +314,10 @@ class _Program:
         values = self.lp.solve(time_limit_s=self.options.time_limit_s)
         class_axis = {c: a for (c, a), var in self.x.items() if values[var] > 0.5}
         fsdp: dict[str, list[tuple[int, str]]] = {}
-        for (name, axis), (dim, var) in self.y.items():
-            if values[var] > 0.5:
-                fsdp.setdefault(name, []).append((dim, axis))
+        for (name, axis), by_dim in self.y.items():
+            for dim, var in by_dim.items():
+                if values[var] > 0.5:
+                    fsdp.setdefault(name, []).append((dim, axis))
         return Assignment(
             class_axis=class_axis, fsdp={k: tuple(v) for k, v in fsdp.items()}
         )
@@ -374,13 +377,10 @@ def _batch_classes(graph: AxisGraph) -> set[int]:
     }
 
 
-def _fsdp_dim(tensor: TensorNode, axis_size: int) -> int | None:
-    """The largest dim of `tensor` that `axis_size` divides, or None."""
-    candidates = [
-        (size, -dim)
+def _fsdp_dims(tensor: TensorNode, axis_size: int) -> list[int]:
+    """Dims of `tensor` that `axis_size` divides (candidates for FSDP)."""
+    return [
+        dim
         for dim, size in enumerate(tensor.shape)
         if size % axis_size == 0 and size >= axis_size
     ]
-    if not candidates:
-        return None
-    return -max(candidates)[1]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from keras_autoshard.plans.rules import Spec, plan_from_rules
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.validation import validate_plan_structure
 
 
 def keras_hub_megatron_rules(
@@ -81,4 +82,20 @@ def keras_hub_megatron_plan(
     ]
     divisible = all(size % mesh.axis_size(model_axis) == 0 for size in vocab_sizes)
     rules = keras_hub_megatron_rules(paths, model_axis, vocab_divisible=divisible)
-    return plan_from_rules(variables, mesh, rules, batch_axis=batch_axis)
+    plan = plan_from_rules(
+        variables, mesh, rules, batch_axis=batch_axis, check_structure=False
+    )
+    # As an engineer would for GQA/MQA: replicate what the axis cannot split.
+    size = mesh.axis_size(model_axis)
+    fixed = {
+        v.path: tuple(
+            None if axis == model_axis and v.shape[d] % size else axis
+            for d, axis in enumerate(v.spec)
+        )
+        for v in plan.variables
+    }
+    changed = {p: spec for p, spec in fixed.items() if spec != plan.variable(p).spec}
+    if changed:
+        plan = plan.replace_specs(changed, reason="replicated: does not divide")
+    validate_plan_structure(plan)
+    return plan

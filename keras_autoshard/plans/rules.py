@@ -63,6 +63,7 @@ def plan_from_rules(
     batch_axis: str | None,
     roles: Mapping[str, Sequence[str | None]] | None = None,
     activations: Sequence[ActivationLayout] = (),
+    check_structure: bool = True,
 ) -> ShardingPlan:
     """A plan that applies `rules` and replicates every other variable.
 
@@ -73,9 +74,11 @@ def plan_from_rules(
         batch_axis: Mesh axis for the batch dimension, or `None`.
         roles: Optional regular expression → logical roles per dimension.
         activations: Layer-output layouts to add.
+        check_structure: Validate specs against the mesh (divisibility,
+            axis names) before returning.
 
     Returns:
-        A validated `ShardingPlan`.
+        The `ShardingPlan` (validated unless `check_structure` is False).
 
     Example:
 
@@ -110,7 +113,8 @@ def plan_from_rules(
         batch_axis=batch_axis,
         activations=tuple(activations),
     )
-    validate_plan_structure(plan)
+    if check_structure:
+        validate_plan_structure(plan)
     return plan
 
 

@@ -1,0 +1,148 @@
+"""Compiled collective bytes of automatic plans against hand-written Megatron
+plans and KerasHub's own layout maps, and the tight memory budget."""
+
+import keras
+import pytest
+
+import keras_autoshard as ka
+from keras_autoshard import (
+    MeshSpec,
+    PlanDistribution,
+    inspect_compiled,
+    make_device_mesh,
+    names_replayed_after,
+    plan_from_rules,
+)
+from keras_autoshard.planner.planner import plan_with_cost
+from keras_autoshard.plans.reference_rules import keras_hub_megatron_plan
+from tests import zoo
+
+MESHES = [
+    MeshSpec((2, 4), ("batch", "model")),
+    MeshSpec((1, 8), ("batch", "model")),
+    MeshSpec((8, 1), ("batch", "model")),
+]
+KERAS_HUB = ["gpt2", "bert", "opt", "gemma", "llama"]
+# Hand-written Megatron rules for the models that are not KerasHub backbones.
+HANDWRITTEN_RULES = {
+    "mlp": {
+        "dense/kernel": (None, "model"),
+        "dense/bias": ("model",),
+        "dense_1/kernel": ("model", None),
+    },
+    "tied": {r".*embedding/embeddings": ("model", None)},
+    "cnn": {},
+}
+
+
+def _subclassed_rules(paths):
+    """q/k/v and MLP-up column-parallel, out and MLP-down row-parallel.
+
+    Each block's Dense layers are created in the order q, k, v, out, up, down.
+    """
+    kernels = [
+        p for p in paths if "self_attention_block" in p and p.endswith("/kernel")
+    ]
+    dense = [p for p in kernels if "/dense" in p]
+    dense.sort(
+        key=lambda p: int(p.rsplit("/", 2)[-2].removeprefix("dense").lstrip("_") or 0)
+    )
+    rules = {}
+    for index, path in enumerate(dense):
+        role = ("q", "k", "v", "out", "up", "down")[index % 6]
+        rules[re_escape(path)] = (
+            ("model", None) if role in ("out", "down") else (None, "model")
+        )
+    return rules
+
+
+def _layer_number(path):
+    layer = path.rsplit("/", 2)[-2]
+    return int(layer.removeprefix("dense").lstrip("_") or 0)
+
+
+def re_escape(path):
+    import re
+
+    return re.escape(path)
+
+
+def _handwritten(name, model, mesh):
+    if name in KERAS_HUB:
+        return keras_hub_megatron_plan(model, mesh)
+    if name == "subclassed":
+        rules = _subclassed_rules([v.path for v in model.variables])
+    else:
+        rules = HANDWRITTEN_RULES[name]
+    plan = plan_from_rules(
+        model.variables, mesh, rules, batch_axis="batch", check_structure=False
+    )
+    return plan
+
+
+def _collective_bytes(build, distribution, x, y):
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+        return inspect_compiled(model, distribution, (x, y))
+
+
+def _batch(name):
+    build, batch = zoo.ZOO[name]
+    x = batch()
+    return build, x, zoo.random_targets(build, x)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("name", sorted(zoo.ZOO))
+def test_auto_plan_moves_no_more_bytes_than_the_handwritten_megatron_plan(name, mesh):
+    build, x, y = _batch(name)
+    auto = ka.plan(build, mesh, sample_input=x)
+    with names_replayed_after():
+        reference = build()
+    handwritten = _handwritten(name, reference, mesh)
+    auto_report = _collective_bytes(build, PlanDistribution(auto), x, y)
+    hand_report = _collective_bytes(build, PlanDistribution(handwritten), x, y)
+    assert (
+        auto_report.train_step.operand_bytes() <= hand_report.train_step.operand_bytes()
+    )
+
+
+def _keras_hub_map(build, mesh):
+    with names_replayed_after():
+        reference = build()
+    layout_map = type(reference).get_layout_map(
+        make_device_mesh(mesh),
+        model_parallel_dim_name="model",
+        data_parallel_dim_name="batch",
+    )
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+
+
+@pytest.mark.parametrize("mesh", MESHES[:2], ids=str)
+@pytest.mark.parametrize("name", ["gemma", "llama"])
+def test_auto_plan_moves_fewer_bytes_than_keras_hub_layout_map(name, mesh):
+    build, x, y = _batch(name)
+    auto = ka.plan(build, mesh, sample_input=x)
+    auto_bytes = _collective_bytes(build, PlanDistribution(auto), x, y)
+    hub_bytes = _collective_bytes(build, _keras_hub_map(build, mesh), x, y)
+    assert auto_bytes.train_step.operand_bytes() < hub_bytes.train_step.operand_bytes()
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama"])
+def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name):
+    mesh = MESHES[0]
+    build, x, y = _batch(name)
+    free = plan_with_cost(build, mesh, sample_input=x)
+    parameter_bytes = free.plan.total_bytes()
+    budget = int(1.05 * (parameter_bytes + 2 * parameter_bytes) / mesh.device_count)
+    tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    measured_state = (
+        report.parameter_bytes_per_device + report.optimizer_bytes_per_device
+    )
+    assert measured_state <= budget
+    hub = _collective_bytes(build, _keras_hub_map(build, mesh), x, y)
+    assert report.train_step.operand_bytes() < hub.train_step.operand_bytes()
