@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 venv=.venv
-extras="hub,checkpoint,plot,dev"
+extras="hub,checkpoint,plot,dev,torch"
 stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)-$extras"
 
 if [ ! -x "$venv/bin/python" ]; then

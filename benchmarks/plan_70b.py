@@ -16,7 +16,12 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", default="BENCHMARKS.md")
-    parser.add_argument("--mesh", default="32x8", help="data x model, e.g. 32x8")
+    parser.add_argument(
+        "--mesh",
+        nargs="+",
+        default=["32x8", "16x16"],
+        help="data x model meshes, e.g. 32x8 16x16",
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args()
@@ -41,36 +46,46 @@ def main() -> None:
             intermediate_dim=28672,
         )
 
-    data, model = (int(s) for s in args.mesh.split("x"))
-    mesh = MeshSpec((data, model), ("batch", "model"))
     inputs = {
         "token_ids": jax.ShapeDtypeStruct((args.batch, args.seq), np.int32),
         "padding_mask": jax.ShapeDtypeStruct((args.batch, args.seq), np.int32),
     }
-    start = time.perf_counter()
-    result = plan_with_cost(build, mesh, sample_input=inputs)
-    seconds = time.perf_counter() - start
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cost = result.cost
-    params = result.plan.total_bytes()
+    rows, notes = [], []
+    for mesh_text in args.mesh:
+        data, model = (int(s) for s in mesh_text.split("x"))
+        mesh = MeshSpec((data, model), ("batch", "model"))
+        start = time.perf_counter()
+        result = plan_with_cost(build, mesh, sample_input=inputs)
+        seconds = time.perf_counter() - start
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        cost = result.cost
+        rows.append(
+            f"| {mesh.describe()} | {format_bytes(result.plan.total_bytes())} | "
+            f"{seconds:.1f} s | {format_bytes(peak_rss)} | "
+            f"{format_bytes(cost.parameter_bytes)} | "
+            f"{format_bytes(cost.gradient_bytes)} | "
+            f"{format_bytes(cost.optimizer_bytes)} | "
+            f"{format_bytes(cost.activation_bytes)} | "
+            f"{format_bytes(cost.communication_bytes)} |"
+        )
+        notes += [f"{mesh_text}: {n}" for n in result.plan.notes if "GQA" in n]
     lines = [
         "## Planning a Llama-2-70B-shaped model (no weights allocated)",
         "",
-        f"Command: `python -m benchmarks.plan_70b --mesh {args.mesh} "
-        f"--batch {args.batch} --seq {args.seq}` (one process; 2-core CPU).",
+        f"Command: `python -m benchmarks.plan_70b --mesh {' '.join(args.mesh)} "
+        f"--batch {args.batch} --seq {args.seq}` (one process, meshes planned "
+        "one after the other; 2-core CPU). Peak RSS is the process's maximum "
+        "resident size so far, Python, JAX, Keras and KerasHub (with "
+        "TensorFlow) included.",
         "",
         "| mesh | parameters (total) | planning time | peak RSS | "
         "params/device | grads/device | optimizer/device | activations/device "
         "(estimate) | communication/step/device (estimate) |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
-        f"| {mesh.describe()} | {format_bytes(params)} | {seconds:.1f} s | "
-        f"{format_bytes(peak_rss)} | {format_bytes(cost.parameter_bytes)} | "
-        f"{format_bytes(cost.gradient_bytes)} | {format_bytes(cost.optimizer_bytes)}"
-        f" | {format_bytes(cost.activation_bytes)} | "
-        f"{format_bytes(cost.communication_bytes)} |",
-        "",
-        "Notes: " + " ".join(n for n in result.plan.notes if "GQA" in n)[:400],
+        *rows,
     ]
+    if notes:
+        lines += ["", "Planner notes:", "", *(f"- {n}" for n in notes)]
     write_section(args.output, "planning-70b", "\n".join(lines))
     print("\n".join(lines))
 

@@ -83,9 +83,31 @@ def keras_hub_layout_map(build_model: ModelBuilder, mesh: MeshSpec) -> Distribut
         model_parallel_dim_name=MODEL_AXIS,
         data_parallel_dim_name=DATA_AXIS,
     )
+    _check_layouts_divide(reference, layout_map, mesh)
     return keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name=DATA_AXIS
     )
+
+
+def _check_layouts_divide(
+    model: keras.Model, layout_map: keras.distribution.LayoutMap, mesh: MeshSpec
+) -> None:
+    """Raise `StrategyNotApplicable` where the map shards a dim it cannot split.
+
+    Keras would fail while building the model; the report lists the reason.
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    for variable in model.variables:
+        layout = layout_map[variable.path]
+        if layout is None:
+            continue
+        for dim, (size, axis) in enumerate(zip(variable.shape, layout.axes)):
+            if axis is not None and size % sizes[axis]:
+                raise StrategyNotApplicable(
+                    f"the KerasHub layout map shards dim {dim} (size {size}) of "
+                    f"{variable.path!r} over {axis!r} ({sizes[axis]} devices), "
+                    "which does not divide it"
+                )
 
 
 def handwritten_plan(model: keras.Model, mesh: MeshSpec) -> ShardingPlan:

@@ -27,6 +27,18 @@ _PUBLIC_NAMES = {
     "inspect_compiled": "keras_autoshard.backends.jax.compiled_program",
     "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",
     "plan": "keras_autoshard.planner.planner",
+    "CheckpointError": "keras_autoshard.checkpoint.errors",
+    "LoadReport": "keras_autoshard.checkpoint.sharded_load",
+    "load_weights_sharded": "keras_autoshard.checkpoint.sharded_load",
+    "load_preset_sharded": "keras_autoshard.checkpoint.sharded_load",
+    "save_checkpoint": "keras_autoshard.checkpoint.orbax_io",
+    "restore_checkpoint": "keras_autoshard.checkpoint.orbax_io",
+    "complete_steps": "keras_autoshard.checkpoint.orbax_io",
+    "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_io",
+    "load_model_sharded": "keras_autoshard.checkpoint.orbax_io",
+    "ShardedOrbaxCheckpoint": "keras_autoshard.checkpoint.orbax_callback",
+    "TensorParallel": "keras_autoshard.apply.tensor_parallel",
+    "TensorParallelError": "keras_autoshard.apply.tensor_parallel_setup",
 }
 
 __all__ = sorted(_PUBLIC_NAMES)

@@ -166,3 +166,27 @@ def test_fit_evaluate_predict_under_auto_shard_distribution():
         if "query_kernel" in v.path
     }
     assert slot_specs == {(None, "model", None)}
+
+
+@pytest.mark.parametrize("entry", ["predict", "predict_on_batch"])
+def test_predict_first_plans_on_its_first_batch_and_matches_one_device(entry):
+    import keras
+
+    build, batch = zoo.ZOO["mlp"]
+    x = batch()
+    keras.utils.set_random_seed(7)
+    reference = build()
+    expected = np.asarray(reference.predict_on_batch(x))
+    dist = ka.AutoShardDistribution(device_mesh=MESH_1x8)
+    with dist.scope():
+        keras.utils.set_random_seed(7)
+        model = build()
+        assert not dist.is_planned
+        if entry == "predict":
+            out = model.predict(x, batch_size=8, verbose=0)
+        else:
+            out = model.predict_on_batch(x)
+    assert dist.is_planned
+    up = model.get_layer("mlp_up").kernel.value.sharding.spec
+    assert "model" in tuple(up), up
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)

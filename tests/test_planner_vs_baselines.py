@@ -26,9 +26,9 @@ KERAS_HUB = ["gpt2", "bert", "opt", "gemma", "llama"]
 # Hand-written Megatron rules for the models that are not KerasHub backbones.
 HANDWRITTEN_RULES = {
     "mlp": {
-        "dense/kernel": (None, "model"),
-        "dense/bias": ("model",),
-        "dense_1/kernel": ("model", None),
+        "mlp_up/kernel": (None, "model"),
+        "mlp_up/bias": ("model",),
+        "mlp_down/kernel": ("model", None),
     },
     "tied": {r".*embedding/embeddings": ("model", None)},
     "cnn": {},

@@ -89,9 +89,9 @@ def llama():
 
 def mlp():
     inputs = keras.Input((SEQ, 128), name="features")
-    h = keras.layers.Dense(512, activation="gelu")(inputs)
-    h = keras.layers.Dense(128)(h)
-    outputs = keras.layers.Dense(16)(h)
+    h = keras.layers.Dense(512, activation="gelu", name="mlp_up")(inputs)
+    h = keras.layers.Dense(128, name="mlp_down")(h)
+    outputs = keras.layers.Dense(16, name="head")(h)
     return keras.Model(inputs, outputs)
 
 

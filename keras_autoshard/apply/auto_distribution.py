@@ -22,6 +22,7 @@ from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_autoshard.apply.device_mesh import make_device_mesh
+from keras_autoshard.apply.model_state import first_batch, slot_owner, slot_prefix
 from keras_autoshard.apply.plan_distribution import (
     PlanDistribution,
     require_jax_backend,
@@ -170,7 +171,7 @@ class AutoShardDistribution(Distribution):
             if id(model) in distribution._planned_models:
                 return original(model, iterator=iterator, data_batch=data_batch)
             if data_batch is None:
-                data_batch = _first_batch(iterator)
+                data_batch = first_batch(iterator)
             x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data_batch)
             if model.built:
                 distribution.prepare(model, x)
@@ -179,12 +180,42 @@ class AutoShardDistribution(Distribution):
             distribution.prepare(model, x)
             return result
 
-        keras_trainer.Trainer._symbolic_build = symbolic_build
+        def plan_before(method, x_is_one_batch=False):
+            def planned_first(model, x, *args, **kwargs):
+                if id(model) not in distribution._planned_models:
+                    sample = (
+                        x
+                        if x_is_one_batch
+                        else _first_predict_batch(
+                            x, kwargs.get("batch_size", args[0] if args else None)
+                        )
+                    )
+                    if not model.built:
+                        with keras.StatelessScope():
+                            model(sample)
+                    distribution.prepare(model, sample)
+                return method(model, x, *args, **kwargs)
+
+            return planned_first
+
+        from keras.src.backend.jax.trainer import JAXTrainer
+
+        patched = {
+            (keras_trainer.Trainer, "_symbolic_build"): symbolic_build,
+            (JAXTrainer, "predict"): plan_before(JAXTrainer.predict),
+            (JAXTrainer, "predict_on_batch"): plan_before(
+                JAXTrainer.predict_on_batch, x_is_one_batch=True
+            ),
+        }
+        originals = {key: getattr(*key) for key in patched}
+        for (owner, name), replacement in patched.items():
+            setattr(owner, name, replacement)
         try:
             with super().scope():
                 yield
         finally:
-            keras_trainer.Trainer._symbolic_build = original
+            for (owner, name), method in originals.items():
+                setattr(owner, name, method)
 
 
 def provisional_layout(shape, device_mesh) -> TensorLayout:
@@ -220,44 +251,34 @@ def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
         layout = TensorLayout(
             list(distribution.plan.variable(variable.path).spec), mesh
         )
-        _move(variable, layout)
-        by_slot_prefix[variable.path.replace("/", "_")] = (variable, layout)
+        move_variable(variable, layout)
+        by_slot_prefix[slot_prefix(variable.path)] = (variable, layout)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         for slot in optimizer.variables:
-            reference = _slot_reference(slot, by_slot_prefix)
+            reference = slot_owner(slot, by_slot_prefix)
             if reference is None:
-                _move(slot, TensorLayout([None] * len(slot.shape), mesh))
+                move_variable(slot, TensorLayout([None] * len(slot.shape), mesh))
             else:
-                _move(slot, reference[1])
+                move_variable(slot, reference[1])
     for variable in getattr(model, "metrics_variables", []):
-        _move(variable, TensorLayout([None] * len(variable.shape), mesh))
+        move_variable(variable, TensorLayout([None] * len(variable.shape), mesh))
 
 
-def _move(variable, layout: TensorLayout) -> None:
+def move_variable(variable, layout: TensorLayout) -> None:
     variable._layout = layout
     if variable._value is not None:
         variable._direct_assign(variable._value)
 
 
-def _slot_reference(slot, by_slot_prefix):
-    """The parameter an optimizer slot was made from (Keras names slots
-    `<path with / as _>_<slot name>`), matched by longest prefix and shape."""
-    name = slot.name
-    best = None
-    for prefix, (variable, layout) in by_slot_prefix.items():
-        if name.startswith(prefix + "_") and tuple(slot.shape) == tuple(variable.shape):
-            if best is None or len(prefix) > len(best[0]):
-                best = (prefix, (variable, layout))
-    return None if best is None else best[1]
+def _first_predict_batch(x, batch_size):
+    """The first batch `predict(x, batch_size)` will see, as Keras slices it."""
+    from keras.src.backend.jax.trainer import JAXEpochIterator
 
-
-def _first_batch(iterator):
-    for _, _, data_or_iterator in iterator:
-        if isinstance(data_or_iterator, (list, tuple)):
-            return data_or_iterator[0]
-        return next(data_or_iterator)
-    raise PlanError("The dataset yielded no batch to plan with.")
+    iterator = JAXEpochIterator(x=x, batch_size=batch_size, shuffle=False)
+    batch = first_batch(iterator)
+    sample, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+    return sample
 
 
 def _as_mesh_spec(device_mesh) -> MeshSpec | None:

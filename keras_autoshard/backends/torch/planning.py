@@ -1,0 +1,209 @@
+"""Planning for the torch backend with the JAX planner, once, in a subprocess.
+
+Keras runs one backend per process, and the planner traces with JAX. So rank
+0 serialises the model (`keras.saving.serialize_keras_object`), a JAX
+subprocess rebuilds it abstractly (no weights) and plans it, and the plan
+(JSON) is broadcast to every rank. The plan is then aligned with the local
+model's variables by position and shape, since auto-numbered layer names may
+differ between processes. The result is the plan JAX itself would use for the
+same model and mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+
+from keras_autoshard.plans.rules import Spec
+from keras_autoshard.plans.sharding_plan import (
+    MeshSpec,
+    PlanError,
+    ShardingPlan,
+    VariableSharding,
+    unique_variables,
+)
+
+PLANNING_TIMEOUT_S = 600
+
+
+def plan_for_torch(
+    model: keras.Model,
+    device_mesh: MeshSpec,
+    sample_input,
+    memory_budget: int | None = None,
+    rules: Mapping[str, Spec] | None = None,
+) -> ShardingPlan:
+    """Plan a torch-backend model with the JAX planner; the same plan on all ranks.
+
+    Args:
+        model: A built Keras model whose class can be serialised (KerasHub
+            backbones, functional and Sequential models, registered
+            subclasses).
+        device_mesh: The mesh to plan for.
+        sample_input: One global batch of inputs (arrays or anything with
+            `shape` and `dtype`).
+        memory_budget: Per-device bytes for parameters and optimizer state.
+        rules: Regular expression on variable path → spec, pinned.
+
+    Returns:
+        The plan, with the local model's variable paths.
+
+    Raises:
+        PlanError: the model cannot be serialised or planned (the message
+            says which and how to plan it under JAX instead).
+    """
+    request = {
+        "model": _serialized(model),
+        "modules": sorted(_layer_modules(model)),
+        "mesh": {
+            "shape": list(device_mesh.shape),
+            "axes": list(device_mesh.axis_names),
+        },
+        "inputs": encode_input_shapes(sample_input),
+        "memory_budget": memory_budget,
+        "rules": {k: list(v) for k, v in (rules or {}).items()},
+    }
+    result = _on_rank_zero(lambda: run_plan_worker(request))
+    if "error" in result:
+        raise PlanError(result["error"])
+    plan = ShardingPlan.from_json(result["plan"])
+    return align_plan(plan, result["paths"], model)
+
+
+def run_plan_worker(request: dict[str, Any]) -> dict[str, Any]:
+    """Run the planner in a JAX subprocess; its answer or an error message."""
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={int(_prod(request['mesh']['shape']))}"
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    try:
+        completed = subprocess.run(
+            [sys.executable, "-m", "keras_autoshard.backends.torch.plan_worker"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=PLANNING_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"Planning took over {PLANNING_TIMEOUT_S} s and was stopped."}
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines:
+        tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
+        return {
+            "error": "The JAX planning subprocess failed "
+            f"(exit {completed.returncode}):\n{tail}"
+        }
+    return json.loads(lines[-1])
+
+
+def align_plan(
+    plan: ShardingPlan, planned_paths: Sequence[str], model: keras.Model
+) -> ShardingPlan:
+    """The plan renamed to `model`'s variable paths, matched by position.
+
+    Args:
+        plan: A plan made for a copy of `model` in another process.
+        planned_paths: That copy's variable paths, in `model.variables` order.
+        model: The local model.
+
+    Returns:
+        The same specs under the local paths.
+
+    Raises:
+        PlanError: the two models differ (count or shape), naming the first
+            variable that differs.
+    """
+    local = unique_variables(model.variables)
+    if len(local) != len(planned_paths):
+        raise PlanError(
+            f"The planned model has {len(planned_paths)} variables but the local "
+            f"model has {len(local)}: the serialised config does not rebuild the "
+            "same model. Plan it under JAX and pass the plan explicitly."
+        )
+    renamed = []
+    for variable, planned_path in zip(local, planned_paths):
+        entry = plan.variable(planned_path)
+        if tuple(entry.shape) != tuple(variable.shape):
+            raise PlanError(
+                f"Variable {variable.path!r} has shape {tuple(variable.shape)} but "
+                f"its planned counterpart {planned_path!r} has {entry.shape}: the "
+                "models differ. Plan it under JAX and pass the plan explicitly."
+            )
+        renamed.append(
+            VariableSharding(
+                variable.path,
+                entry.shape,
+                entry.dtype,
+                entry.spec,
+                entry.roles,
+                entry.reason,
+            )
+        )
+    return ShardingPlan(
+        mesh=plan.mesh,
+        variables=tuple(renamed),
+        batch_axis=plan.batch_axis,
+        activations=plan.activations,
+        notes=plan.notes,
+    )
+
+
+def encode_input_shapes(sample_input) -> Any:
+    """Shapes and dtypes of a batch as JSON-able data (nested dicts/lists)."""
+    if isinstance(sample_input, Mapping):
+        return {"dict": {k: encode_input_shapes(v) for k, v in sample_input.items()}}
+    if isinstance(sample_input, (list, tuple)):
+        return {"list": [encode_input_shapes(v) for v in sample_input]}
+    shape = [int(s) for s in sample_input.shape]
+    dtype = str(sample_input.dtype).removeprefix("torch.")
+    return {"shape": shape, "dtype": dtype}
+
+
+def _serialized(model: keras.Model) -> dict:
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        json.dumps(config)
+    except Exception as error:  # noqa: BLE001 - any failure means "not serialisable"
+        raise PlanError(
+            f"{type(model).__name__} cannot be serialised for planning "
+            f"({type(error).__name__}: {error}). Plan it under JAX with "
+            "keras_autoshard.plan(...), save the plan as JSON and pass it "
+            "(plan=ShardingPlan.load(path))."
+        ) from error
+    return config
+
+
+def _layer_modules(model: keras.Model) -> set[str]:
+    """Modules defining the model's layer classes, for the subprocess to import."""
+    modules = set()
+    for layer in [model, *model._flatten_layers()]:
+        module = type(layer).__module__
+        if not module.startswith(("keras.", "keras_hub.", "__main__")):
+            modules.add(module)
+    return modules
+
+
+def _on_rank_zero(compute) -> dict[str, Any]:
+    """`compute()` on rank 0, its result broadcast to every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out

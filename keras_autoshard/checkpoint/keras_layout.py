@@ -1,0 +1,83 @@
+"""Where Keras's `.weights.h5` layout puts each variable of a model.
+
+`model.save_weights` walks the model with Keras's saving traversal: layers of
+Functional and Sequential models first (named by class in snake case with a
+counter: `layers/dense`, `layers/dense_1`), then every attribute in sorted
+order, each layer storing its own variables as `<path>/vars/<index>`. Rather
+than re-deriving those names, this module runs that same traversal with a
+store that records which variable lands at which key, so the mapping follows
+Keras exactly (nested layers, containers, renamed layers alike).
+
+The optimizer stores gathered NumPy copies instead of its variables; it is
+skipped in the traversal (gathering would put whole arrays on the host) and
+mapped directly: `optimizer/vars/<i>` is `model.optimizer.variables[i]`.
+"""
+
+from __future__ import annotations
+
+from keras.src.saving import saving_lib
+
+from keras_autoshard.checkpoint.errors import CheckpointError
+
+OPTIMIZER_GROUP = "optimizer"
+
+
+def keras_h5_keys(model) -> dict[str, object]:
+    """The `.weights.h5` dataset key of every variable `save_weights` writes.
+
+    Args:
+        model: A built Keras model (compiled or not).
+
+    Returns:
+        Dataset key (e.g. `"layers/dense/vars/0"`) → Keras variable, in the
+        order Keras writes them.
+
+    Example:
+
+    ```python
+    keys = keras_h5_keys(model)
+    keys["layers/dense/vars/0"].path  # "dense/kernel"
+    ```
+    """
+    store = _RecordingStore()
+    optimizer = getattr(model, "optimizer", None)
+    # Seeding the visited set keeps Keras from gathering the optimizer state.
+    visited = {id(optimizer)} if optimizer is not None else set()
+    saving_lib._save_state(
+        model,
+        weights_store=store,
+        assets_store=None,
+        inner_path="",
+        visited_saveables=visited,
+    )
+    keys = dict(store.variables_by_key)
+    if optimizer is not None:
+        for index, variable in enumerate(optimizer.variables):
+            keys[f"{OPTIMIZER_GROUP}/vars/{index}"] = variable
+    return keys
+
+
+class _RecordingStore(saving_lib.H5IOStore):
+    """A write-mode weights store that records keys instead of writing data."""
+
+    def __init__(self):  # no file: nothing is written
+        self.variables_by_key: dict[str, object] = {}
+        self._group_path = ""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def make(self, path, metadata=None):
+        self._group_path = path
+        return self
+
+    def __setitem__(self, key, value):
+        dataset_key = f"{self._group_path}/vars/{key}".lstrip("/")
+        if not hasattr(value, "path") or not hasattr(value, "assign"):
+            raise CheckpointError(
+                f"The layer at {self._group_path!r} saves a derived value (a "
+                f"{type(value).__name__}, not a variable) as {dataset_key!r}; "
+                "it cannot be loaded slice by slice. Load this model with "
+                "keras' model.load_weights instead."
+            )
+        self.variables_by_key[dataset_key] = value
