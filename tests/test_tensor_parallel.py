@@ -338,8 +338,8 @@ def test_bad_arguments_raise_errors_naming_the_value(kwargs, message):
 
 
 @pytest.mark.parametrize("backend", ["torch", "pytorch"])
-def test_torch_backend_raises_instead_of_falling_back(backend):
-    with pytest.raises(NotImplementedError, match="PyTorch backend is not implemented"):
+def test_torch_backend_on_keras_jax_raises_instead_of_falling_back(backend):
+    with pytest.raises(TensorParallelError, match="KERAS_BACKEND=torch"):
         TensorParallel(functional_mlp(), distributed_backend=backend)
 
 

@@ -135,3 +135,15 @@ def test_plan_from_another_model_is_rejected_naming_the_variable():
         align_plan(plan, paths, mlp(6))
     with pytest.raises(PlanError, match="1 variables"):
         align_plan(plan, paths[:1], mlp(4))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_torch_backend_trains_like_the_unwrapped_model(tmp_path):
+    # The seed README's Sequential example on 4 ranks: 2-way TP x 2-way data.
+    done = torchrun(4, ["seq", "2x2"], tmp_path, mode="tensor_parallel")
+    for rank in range(4):
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result:\n{done.stderr[-3000:]}"
+        result = json.loads(path.read_text())
+        assert result["type"] == "TorchTensorParallel" and result["mesh"] == [2, 2]
+        assert result["ok"], f"rank {rank}: {result['problems']}"

@@ -128,9 +128,72 @@ def train_until_killed(sharded, local, local_y, rank, out_dir):
     )
 
 
+def seed_sequential():
+    """The seed README's first example, smaller (784 → 1024 → 10 scaled)."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+
+
+def tensor_parallel_run(mesh, out_dir):
+    """`TensorParallel(model, world_size, distributed_backend="torch")`."""
+    import keras_autoshard as ka
+
+    rank = torch.distributed.get_rank()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, 64)).astype("float32")
+    y = rng.integers(0, 10, (BATCH,)).astype("int32")
+    reference = seed_sequential()
+    reference.compile(optimizer=adam(), loss="sparse_categorical_crossentropy")
+    expected_out = keras.ops.convert_to_numpy(reference(x))
+    ref_losses = [float(reference.train_on_batch(x, y)) for _ in range(STEPS)]
+
+    model_ways = mesh.axis_size("model")
+    tp = ka.TensorParallel(
+        seed_sequential(), world_size=model_ways, distributed_backend="torch"
+    )
+    data = mesh.axis_size("batch")
+    index = rank // model_ways
+    rows = slice(index * BATCH // data, (index + 1) * BATCH // data)
+    out = tp.predict(x[rows], batch_size=BATCH // data, verbose=0)
+    tp.compile(optimizer=adam(), loss="sparse_categorical_crossentropy")
+    history = tp.fit(
+        x[rows],
+        y[rows],
+        batch_size=BATCH // data,
+        epochs=STEPS,
+        verbose=0,
+        shuffle=False,
+    )
+    figures = {
+        "type": type(tp).__name__,
+        "forward": relative(out, expected_out),
+        "losses": relative(history.history["loss"], ref_losses),
+        "mesh": list(tp.plan.mesh.shape),
+    }
+    problems = [
+        f"{key}: relative difference {figures[key]:.3g} > {RTOL}"
+        for key in ("forward", "losses")
+        if not figures[key] <= RTOL
+    ]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"ok": not problems, "problems": problems, **figures}, f)
+    torch.distributed.destroy_process_group()
+
+
 def main():
     name, mesh_text, out_dir = sys.argv[1:4]
     mode = sys.argv[4] if len(sys.argv) > 4 else "parity"
+    if mode == "tensor_parallel":
+        ensure_process_group()
+        shape = tuple(int(s) for s in mesh_text.split("x"))
+        tensor_parallel_run(MeshSpec(shape, ("batch", "model")), out_dir)
+        return
     ensure_process_group()
     rank = torch.distributed.get_rank()
     mesh = MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))

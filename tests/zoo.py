@@ -174,8 +174,8 @@ class TiedLM(keras.Model):
 
     def __init__(self, vocab=1024, hidden=128, **kwargs):
         super().__init__(**kwargs)
-        self.embedding = keras.layers.Embedding(vocab, hidden)
-        self.mix = keras.layers.Dense(hidden, activation="tanh")
+        self.embedding = keras.layers.Embedding(vocab, hidden, name="embedding")
+        self.mix = keras.layers.Dense(hidden, activation="tanh", name="mix")
 
     def build(self, input_shape):
         self.embedding.build(input_shape)

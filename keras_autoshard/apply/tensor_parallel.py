@@ -37,6 +37,7 @@ from keras_autoshard.apply.plan_distribution import PlanDistribution
 from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelError,
     TensorParallelSetup,
+    resolve_backend,
     tensor_parallel_setup,
 )
 from keras_autoshard.plans.rules import Spec
@@ -74,7 +75,8 @@ class TensorParallel(keras.Model):
             indices. Defaults to every local accelerator, or the (simulated)
             host devices when there is none.
         distributed_backend: `"auto"` (the Keras backend), `"jax"` or
-            `"torch"` (not implemented yet: raises).
+            `"torch"` (under torchrun with KERAS_BACKEND=torch:
+            returns a `TorchTensorParallel`).
         sample_input: One global batch of inputs to plan with now instead of
             on the first batch.
         memory_budget: Per-device bytes for parameters and optimizer state
@@ -96,6 +98,19 @@ class TensorParallel(keras.Model):
     print(tp_model.plan.explain())
     ```
     """
+
+    def __new__(cls, *args, **kwargs):
+        backend = kwargs.get(
+            "distributed_backend", args[3] if len(args) > 3 else "auto"
+        )
+        if resolve_backend(backend) == "torch":
+            from keras_autoshard.backends.torch.tensor_parallel import (
+                TorchTensorParallel,
+            )
+
+            kwargs.pop("distributed_backend", None)
+            return TorchTensorParallel(*args[:3], *args[4:], **kwargs)
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(
         self,

@@ -55,12 +55,11 @@ def resolve_backend(distributed_backend: str) -> str:
             (`"pytorch"` is read as `"torch"`).
 
     Returns:
-        `"jax"`, the only backend implemented so far.
+        `"jax"` or `"torch"`.
 
     Raises:
         TensorParallelError: for an unknown name, or a name that does not match
             the Keras backend.
-        NotImplementedError: for `"torch"` (its own issue; no fallback).
     """
     name = str(distributed_backend).lower()
     if name == "pytorch":  # the seed project's spelling
@@ -74,11 +73,14 @@ def resolve_backend(distributed_backend: str) -> str:
     if name == "auto":
         name = keras_backend
     if name == "torch":
-        raise NotImplementedError(
-            "TensorParallel on the PyTorch backend is not implemented yet (it "
-            "has its own issue); nothing falls back to another backend. Run "
-            "with KERAS_BACKEND=jax and distributed_backend='jax' (or 'auto')."
-        )
+        if keras_backend != "torch":
+            raise TensorParallelError(
+                "distributed_backend='torch' needs Keras on PyTorch, but Keras is "
+                f"running on {keras_backend!r}. Set KERAS_BACKEND=torch before "
+                "importing Keras and launch with torchrun; nothing falls back to "
+                "another backend."
+            )
+        return name
     if name != "jax":
         raise TensorParallelError(
             f"TensorParallel supports the JAX backend; Keras is running on "
