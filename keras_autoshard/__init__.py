@@ -39,6 +39,11 @@ _PUBLIC_NAMES = {
     "ShardedOrbaxCheckpoint": "keras_autoshard.checkpoint.orbax_callback",
     "TensorParallel": "keras_autoshard.apply.tensor_parallel",
     "TensorParallelError": "keras_autoshard.apply.tensor_parallel_setup",
+    "initialize": "keras_autoshard.cluster",
+    "resolve_cluster": "keras_autoshard.cluster",
+    "ClusterSpec": "keras_autoshard.cluster",
+    "ClusterError": "keras_autoshard.cluster",
+    "process_batch_rows": "keras_autoshard.cluster",
 }
 
 __all__ = sorted(_PUBLIC_NAMES)

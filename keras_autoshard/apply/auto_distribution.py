@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 
 import keras
@@ -21,12 +22,13 @@ from keras.src.distribution.distribution_lib import Distribution
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_autoshard.apply.device_mesh import make_device_mesh
+from keras_autoshard.apply.device_mesh import default_mesh_shape, make_device_mesh
 from keras_autoshard.apply.model_state import first_batch, slot_owner, slot_prefix
 from keras_autoshard.apply.plan_distribution import (
     PlanDistribution,
     require_jax_backend,
 )
+from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 
@@ -60,6 +62,16 @@ class AutoShardDistribution(Distribution):
     ```
     """
 
+    def __new__(cls, *args, **kwargs):
+        if keras.backend.backend() == "tensorflow":
+            # Data parallelism through tf.distribute; see docs/tensorflow.md.
+            from keras_autoshard.backends.tensorflow.data_parallel import (
+                TensorFlowAutoShardDistribution,
+            )
+
+            return TensorFlowAutoShardDistribution(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         device_mesh=None,
@@ -85,10 +97,12 @@ class AutoShardDistribution(Distribution):
         self._sample_input = sample_input
         self._applied: PlanDistribution | None = None
         self._planned_models: set[int] = set()
+        self._plans_shared = 0
 
     # ------------------------------------------------------------- the plan
     @property
     def plan(self) -> ShardingPlan:
+        """The applied plan; `PlanError` before the model has been planned."""
         if self._applied is None:
             raise PlanError(
                 "No plan yet: it is made when the model first sees a batch "
@@ -98,6 +112,7 @@ class AutoShardDistribution(Distribution):
 
     @property
     def is_planned(self) -> bool:
+        """Whether a plan has been made and applied."""
         return self._applied is not None
 
     def prepare(self, model: keras.Model, sample_input=None) -> ShardingPlan:
@@ -115,15 +130,64 @@ class AutoShardDistribution(Distribution):
         sample_input = sample_input if sample_input is not None else self._sample_input
         if sample_input is None:
             raise PlanError("prepare() needs sample_input (one batch of inputs).")
-        plan = make_plan(
-            model,
-            device_mesh=self._requested_mesh,
-            sample_input=sample_input,
-            memory_budget=self._memory_budget,
-            rules=self._rules,
-        )
+        if multi_process():
+            plan = self._plan_across_processes(model, sample_input)
+        else:
+            plan = make_plan(
+                model,
+                device_mesh=self._requested_mesh,
+                sample_input=sample_input,
+                memory_budget=self._memory_budget,
+                rules=self._rules,
+            )
         self._apply(plan, model)
         self._planned_models.add(id(model))
+        return plan
+
+    def _plan_across_processes(self, model, local_sample) -> ShardingPlan:
+        """Process 0 plans for the global batch; every process applies its plan.
+
+        Each process sees only its rows of a batch; the plan is made for the
+        global batch those rows are part of, on a mesh whose model axis stays
+        within a process (tensor parallelism inside a host, data parallelism
+        across hosts) unless a mesh was given.
+        """
+        from keras_autoshard.backends.jax import multiprocess
+        from keras_autoshard.planner.planner import plan as make_plan
+
+        mesh = self._requested_mesh or MeshSpec(
+            default_mesh_shape(
+                len(keras.distribution.list_devices()),
+                math.gcd(multiprocess.local_device_count(), 8),
+            ),
+            ("batch", "model"),
+        )
+        data_axes = [name for name in mesh.axis_names if name in DATA_AXIS_NAMES]
+        batch_axis = data_axes[0] if data_axes else None
+        shares, _ = multiprocess.batch_share(
+            make_device_mesh(mesh).backend_mesh.devices, mesh.axis_names, batch_axis
+        )
+        plan_json = None
+        if multiprocess.process_index() == 0:
+            global_sample = multiprocess.global_batch_shapes(local_sample, shares)
+            plan_json = make_plan(
+                model,
+                device_mesh=mesh,
+                sample_input=global_sample,
+                memory_budget=self._memory_budget,
+                rules=self._rules,
+            ).to_json()
+        self._plans_shared += 1
+        shared = multiprocess.share_text_from_process_0(
+            f"{self._plans_shared}", plan_json
+        )
+        plan = ShardingPlan.from_json(shared)
+        if shares > 1 and plan.batch_axis != batch_axis:
+            raise PlanError(
+                f"The plan splits the batch over {plan.batch_axis!r}, but each "
+                f"process loads its rows of the batch as split over {batch_axis!r} "
+                f"(mesh {mesh.describe()}). Name the data axis of the mesh first."
+            )
         return plan
 
     def _apply(self, plan: ShardingPlan, model: keras.Model) -> None:
@@ -143,7 +207,13 @@ class AutoShardDistribution(Distribution):
     # ------------------------------------------------- Distribution protocol
     @property
     def num_model_replicas(self) -> int:
-        return 1 if self._applied is None else self._applied.num_model_replicas
+        if self._applied is not None:
+            return self._applied.num_model_replicas
+        # Before the plan (when Keras shards a tf.data pipeline per process),
+        # the batch will be split over the mesh's first data axis.
+        sizes = dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
+        data_axes = [name for name in sizes if name in DATA_AXIS_NAMES]
+        return sizes[data_axes[0]] if data_axes else 1
 
     def get_data_layout(self, data_shape) -> TensorLayout:
         if self._applied is None:
@@ -216,6 +286,13 @@ class AutoShardDistribution(Distribution):
         finally:
             for (owner, name), method in originals.items():
                 setattr(owner, name, method)
+
+
+def multi_process() -> bool:
+    """Whether this job runs on several processes (JAX's count)."""
+    from keras_autoshard.backends.jax.multiprocess import process_count
+
+    return process_count() > 1
 
 
 def provisional_layout(shape, device_mesh) -> TensorLayout:

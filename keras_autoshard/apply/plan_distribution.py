@@ -81,6 +81,7 @@ class PlanDistribution(Distribution):
 
     @property
     def plan(self) -> ShardingPlan:
+        """The `ShardingPlan` this distribution serves."""
         return self._plan
 
     @property
@@ -93,16 +94,31 @@ class PlanDistribution(Distribution):
         spec = [None] * len(data_shape)
         if self.batch_dim_name is not None and len(data_shape) > 0:
             batch_size = data_shape[0]
-            axis_size = self._plan.mesh.axis_size(self.batch_dim_name)
+            axis_size = self._local_batch_axis_size()
             if batch_size is not None and batch_size % axis_size:
                 raise PlanError(
                     f"Batch of size {batch_size} (input shape {tuple(data_shape)}) "
                     f"cannot be split over mesh axis {self.batch_dim_name!r} of "
-                    f"size {axis_size}. Use a batch size that is a multiple of "
-                    f"{axis_size} (also for the last batch: drop the remainder)."
+                    f"size {axis_size} (this process's part of it). Use a batch "
+                    f"size that is a multiple of {axis_size} (also for the last "
+                    "batch: drop the remainder)."
                 )
             spec[0] = self.batch_dim_name
         return TensorLayout(spec, self.device_mesh)
+
+    def _local_batch_axis_size(self) -> int:
+        """Batch-axis positions this process feeds (all of them on one process)."""
+        from keras_autoshard.backends.jax import multiprocess
+
+        axis_size = self._plan.mesh.axis_size(self.batch_dim_name)
+        if multiprocess.process_count() == 1:
+            return axis_size
+        shares, _ = multiprocess.batch_share(
+            self.device_mesh.backend_mesh.devices,
+            self._plan.mesh.axis_names,
+            self.batch_dim_name,
+        )
+        return axis_size // shares
 
     def get_variable_layout(self, variable) -> TensorLayout:
         if getattr(variable, "_layout", None) is not None:

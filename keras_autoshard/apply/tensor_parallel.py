@@ -74,9 +74,11 @@ class TensorParallel(keras.Model):
         device_ids: Devices to use, as names (`"gpu:0"`, `"cpu:3"`) or
             indices. Defaults to every local accelerator, or the (simulated)
             host devices when there is none.
-        distributed_backend: `"auto"` (the Keras backend), `"jax"` or
+        distributed_backend: `"auto"` (the Keras backend), `"jax"`,
             `"torch"` (under torchrun with KERAS_BACKEND=torch:
-            returns a `TorchTensorParallel`).
+            returns a `TorchTensorParallel`) or `"tensorflow"` (data
+            parallelism only, `world_size=1`: returns a
+            `TensorFlowTensorParallel`).
         sample_input: One global batch of inputs to plan with now instead of
             on the first batch.
         memory_budget: Per-device bytes for parameters and optimizer state
@@ -103,6 +105,13 @@ class TensorParallel(keras.Model):
         backend = kwargs.get(
             "distributed_backend", args[3] if len(args) > 3 else "auto"
         )
+        if resolve_backend(backend) == "tensorflow":
+            from keras_autoshard.backends.tensorflow.tensor_parallel import (
+                TensorFlowTensorParallel,
+            )
+
+            kwargs.pop("distributed_backend", None)
+            return TensorFlowTensorParallel(*args[:3], *args[4:], **kwargs)
         if resolve_backend(backend) == "torch":
             from keras_autoshard.backends.torch.tensor_parallel import (
                 TorchTensorParallel,
@@ -163,14 +172,17 @@ class TensorParallel(keras.Model):
 
     @property
     def world_size(self) -> int:
+        """Devices each model copy is cut over (the `"model"` axis size)."""
         return self._setup.world_size
 
     @property
     def device_ids(self) -> tuple[str, ...]:
+        """The devices in use, in mesh order."""
         return self._setup.devices
 
     @property
     def is_planned(self) -> bool:
+        """Whether the sharding has been planned and applied."""
         return self._distribution.is_planned
 
     @property

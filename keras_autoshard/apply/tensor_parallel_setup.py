@@ -16,7 +16,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec
 
 DATA_AXIS = "batch"
 MODEL_AXIS = "model"
-BACKENDS = ("auto", "jax", "torch")
+BACKENDS = ("auto", "jax", "torch", "tensorflow")
 
 
 class TensorParallelError(ValueError):
@@ -51,11 +51,11 @@ def resolve_backend(distributed_backend: str) -> str:
     """The distributed backend to use for `distributed_backend`.
 
     Args:
-        distributed_backend: `"auto"` (the Keras backend), `"jax"` or `"torch"`
-            (`"pytorch"` is read as `"torch"`).
+        distributed_backend: `"auto"` (the Keras backend), `"jax"`, `"torch"`
+            or `"tensorflow"` (`"pytorch"` is read as `"torch"`).
 
     Returns:
-        `"jax"` or `"torch"`.
+        `"jax"`, `"torch"` or `"tensorflow"` (data parallelism only).
 
     Raises:
         TensorParallelError: for an unknown name, or a name that does not match
@@ -79,6 +79,14 @@ def resolve_backend(distributed_backend: str) -> str:
                 f"running on {keras_backend!r}. Set KERAS_BACKEND=torch before "
                 "importing Keras and launch with torchrun; nothing falls back to "
                 "another backend."
+            )
+        return name
+    if name == "tensorflow":
+        if keras_backend != "tensorflow":
+            raise TensorParallelError(
+                "distributed_backend='tensorflow' needs Keras on TensorFlow, but "
+                f"Keras is running on {keras_backend!r}. Set "
+                "KERAS_BACKEND=tensorflow before importing Keras."
             )
         return name
     if name != "jax":

@@ -53,6 +53,15 @@ class RestoredCheckpoint:
         skipped_groups: State groups only one side has, left alone: the
             model's optimizer state when restoring a weights-only save, or
             saved optimizer state when the model has no optimizer.
+
+    Example:
+
+    ```python
+    restored = restore_checkpoint(model, "ckpt")
+    print(restored.step, restored.metadata)
+    if restored.plan is not None:
+        print(restored.plan.mesh.describe())  # the mesh that saved it
+    ```
     """
 
     step: int
@@ -222,6 +231,14 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
 
     Returns:
         The complete steps, oldest first.
+
+    Example:
+
+    ```python
+    steps = complete_steps("ckpt")   # e.g. [100, 200]
+    if steps:
+        restore_checkpoint(model, "ckpt", step=steps[-1])
+    ```
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):

@@ -52,6 +52,7 @@ from keras_autoshard.checkpoint.tensor_files import (
     TensorFile,
     numpy_dtype,
 )
+from keras_autoshard.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,13 @@ class LoadReport:
         seconds: Wall time of the load.
         skipped: File keys not loaded (optimizer state the model has no
             optimizer for, keys `name_map` sent to `None`).
+
+    Example:
+
+    ```python
+    report = load_weights_sharded(model, "model.weights.h5")
+    print(report.variables_loaded, report.max_read_bytes / 2**20, "MiB")
+    ```
     """
 
     files: tuple[str, ...]
@@ -87,6 +95,7 @@ class LoadReport:
 
     @property
     def gigabytes_per_second(self) -> float:
+        """Read throughput: `bytes_read` in GB over `seconds`."""
         return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -95,6 +104,7 @@ def load_weights_sharded(
     path: str | os.PathLike,
     name_map: NameMap | None = None,
     on_read: ReadObserver | None = None,
+    progress: bool = False,
 ) -> LoadReport:
     """Load weights into `model` device slice by device slice.
 
@@ -107,6 +117,7 @@ def load_weights_sharded(
         name_map: For safetensors: file key → variable path (or `None` to
             skip), as a dict or a function.
         on_read: Called after every slice read with (file key, index, bytes).
+        progress: Show a progress bar on stderr, one step per variable.
 
     Returns:
         A `LoadReport`.
@@ -134,25 +145,32 @@ def load_weights_sharded(
                 owner.check_within_file(tensor.key)
         bytes_read = 0
         max_read = 0
-        for index_done, (tensor, variable) in enumerate(targets.values()):
-            owner = _owner(files, tensor)
+        bar = progress_bar(
+            f"loading {os.path.basename(os.fspath(path))}",
+            len(targets),
+            enabled=progress,
+        )
+        with bar as task:
+            for index_done, (tensor, variable) in enumerate(targets.values()):
+                owner = _owner(files, tensor)
 
-            def read(index, tensor=tensor, owner=owner):
-                nonlocal bytes_read, max_read
-                data = owner.read(tensor.key, index)
-                bytes_read += data.nbytes
-                max_read = max(max_read, data.nbytes)
-                if on_read is not None:
-                    on_read(tensor.key, index, data.nbytes)
-                return data
+                def read(index, tensor=tensor, owner=owner):
+                    nonlocal bytes_read, max_read
+                    data = owner.read(tensor.key, index)
+                    bytes_read += data.nbytes
+                    max_read = max(max_read, data.nbytes)
+                    if on_read is not None:
+                        on_read(tensor.key, index, data.nbytes)
+                    return data
 
-            try:
-                _assign_from_slices(variable, tensor, read)
-            except CheckpointError as error:
-                raise CheckpointError(
-                    f"{error} The model is now partly loaded ({index_done} of "
-                    f"{len(targets)} variables): load again from a good file."
-                ) from error
+                try:
+                    _assign_from_slices(variable, tensor, read)
+                except CheckpointError as error:
+                    raise CheckpointError(
+                        f"{error} The model is now partly loaded ({index_done} of "
+                        f"{len(targets)} variables): load again from a good file."
+                    ) from error
+                task.advance()
         file_names = tuple(sorted({f.path for f in files}))
     return LoadReport(
         files=file_names,

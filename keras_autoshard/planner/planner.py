@@ -35,6 +35,7 @@ from keras_autoshard.plans.sharding_plan import (
     VariableSharding,
 )
 from keras_autoshard.plans.validation import validate_plan_structure
+from keras_autoshard.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ def plan(
     rules: Mapping[str, Spec] | None = None,
     device_count: int | None = None,
     optimizer_slots: int = 2,
+    progress: bool = False,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -77,6 +79,8 @@ def plan(
             the planner fills in the rest. A rule matching nothing is an error.
         device_count: Devices to plan for when `device_mesh` is `None`.
         optimizer_slots: Optimizer state per parameter in parameter copies.
+        progress: Show a progress bar on stderr (trace, axis graph, one
+            search per candidate mesh); worth it for large models.
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -100,6 +104,7 @@ def plan(
         rules=rules,
         device_count=device_count,
         optimizer_slots=optimizer_slots,
+        progress=progress,
     ).plan
 
 
@@ -111,6 +116,7 @@ def plan_with_cost(
     rules: Mapping[str, Spec] | None = None,
     device_count: int | None = None,
     optimizer_slots: int = 2,
+    progress: bool = False,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     from keras_autoshard.backends.jax.jaxpr_axes import build_axis_graph
@@ -122,30 +128,41 @@ def plan_with_cost(
             "plan() needs sample_input (one global batch, or jax.ShapeDtypeStruct "
             "leaves with its shapes) to know the activation shapes."
         )
-    if isinstance(model_or_builder, keras.Model):
-        model = model_or_builder
-    elif callable(model_or_builder):
-        model = build_abstract(model_or_builder)
-    else:
-        raise TypeError(
-            "plan() takes a keras.Model or a function that builds one, got "
-            f"{type(model_or_builder).__name__}."
-        )
-    traced = trace_model(model, sample_input)
-    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
-    options = PlannerOptions(
-        memory_budget_bytes=memory_budget, optimizer_slots=optimizer_slots
-    )
     meshes = _candidate_meshes(device_mesh, device_count)
-    best = None
-    for mesh in meshes:
-        try:
-            candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
-        except InfeasibleError as error:
-            logger.info("Mesh %s: %s", mesh.describe(), error)
-            continue
-        if best is None or _objective(candidate[1]) < _objective(best[1]):
-            best = candidate
+    with progress_bar("planning", 3 + len(meshes), enabled=progress) as task:
+        if isinstance(model_or_builder, keras.Model):
+            model = model_or_builder
+        elif callable(model_or_builder):
+            task.describe("planning: building the model abstractly")
+            model = build_abstract(model_or_builder)
+        else:
+            raise TypeError(
+                "plan() takes a keras.Model or a function that builds one, got "
+                f"{type(model_or_builder).__name__}."
+            )
+        task.advance()
+        task.describe("planning: tracing shapes")
+        traced = trace_model(model, sample_input)
+        task.advance()
+        task.describe("planning: axis graph")
+        graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+        task.advance()
+        options = PlannerOptions(
+            memory_budget_bytes=memory_budget, optimizer_slots=optimizer_slots
+        )
+        best = None
+        for mesh in meshes:
+            task.describe(f"planning: search on {mesh.describe()}")
+            try:
+                candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
+            except InfeasibleError as error:
+                logger.info("Mesh %s: %s", mesh.describe(), error)
+                continue
+            finally:
+                task.advance()
+            if best is None or _objective(candidate[1]) < _objective(best[1]):
+                best = candidate
+        task.describe("planning: done")
     if best is None:
         raise PlanError(_no_fit_message(graph, meshes, memory_budget, optimizer_slots))
     sharding_plan, cost = best

@@ -95,6 +95,7 @@ class MeshSpec:
 
     @property
     def device_count(self) -> int:
+        """Number of devices in the mesh (the product of its sizes)."""
         return math.prod(self.shape)
 
     def axis_size(self, axis_name: str) -> int:
@@ -107,6 +108,7 @@ class MeshSpec:
         return self.shape[self.axis_names.index(axis_name)]
 
     def describe(self) -> str:
+        """The mesh as text, e.g. `"batch=2 x model=4"`."""
         return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
 
 
@@ -122,6 +124,15 @@ class VariableSharding:
         roles: The logical role of each dimension (`"heads"`, `"mlp"`,
             `"vocab"`, `"embed"`, `"batch"`, ...) or `None` when unknown.
         reason: Why the planner chose this spec (empty for hand-written plans).
+
+    Example:
+
+    ```python
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    up = VariableSharding("up/kernel", (64, 256), "float32", (None, "model"),
+                          roles=("embed", "mlp"))
+    up.bytes_per_device(mesh)  # 64 * 256 * 4 / 4 = 16384
+    ```
     """
 
     path: str
@@ -140,6 +151,7 @@ class VariableSharding:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of the whole (unsharded) variable."""
         return math.prod(self.shape) * dtype_itemsize(self.dtype)
 
     def shard_factor(self, mesh: MeshSpec) -> int:
@@ -147,6 +159,7 @@ class VariableSharding:
         return math.prod(mesh.axis_size(a) for a in self.spec if a is not None)
 
     def bytes_per_device(self, mesh: MeshSpec) -> int:
+        """Bytes of this variable that each device holds on `mesh`."""
         return self.total_bytes // self.shard_factor(mesh)
 
 
@@ -159,6 +172,14 @@ class ActivationLayout:
             (e.g. `"transformer_layer_0/output"`), as Keras asks
             `Distribution.get_tensor_layout` for it.
         spec: One mesh axis name, or `None`, per dimension of the output.
+
+    Example:
+
+    ```python
+    # Keep each block's output split over the batch only (no drift to FSDP
+    # layouts of the activations), as in a plan's `activations`.
+    pinned = ActivationLayout("transformer_layer_0/output", ("batch", None, None))
+    ```
     """
 
     path: str
@@ -226,9 +247,11 @@ class ShardingPlan:
         return found
 
     def get(self, path: str) -> VariableSharding | None:
+        """The `VariableSharding` for `path`, or `None` if the plan lacks it."""
         return self._by_path().get(path)
 
     def activation(self, path: str) -> ActivationLayout | None:
+        """The layout pinned on layer output `path`, or `None`."""
         for layout in self.activations:
             if layout.path == path:
                 return layout
@@ -248,6 +271,7 @@ class ShardingPlan:
         return sum(v.bytes_per_device(self.mesh) for v in self.variables)
 
     def total_bytes(self) -> int:
+        """Bytes of all planned variables, unsharded."""
         return sum(v.total_bytes for v in self.variables)
 
     # ---------------------------------------------------------------- editing
@@ -268,6 +292,7 @@ class ShardingPlan:
 
     # ------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (the form `to_json` writes)."""
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -299,6 +324,7 @@ class ShardingPlan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
+        """Read a plan from `to_dict`'s form; `PlanError` for another format."""
         if data.get("format") != FORMAT_NAME:
             raise PlanError(
                 f"Not a sharding plan: format is {data.get('format')!r}, "
@@ -337,6 +363,7 @@ class ShardingPlan:
 
     @classmethod
     def from_json(cls, text: str) -> ShardingPlan:
+        """Read a plan from `to_json`'s text."""
         return cls.from_dict(json.loads(text))
 
     def save(self, path: str) -> None:

@@ -89,6 +89,15 @@ class CompiledReport:
         optimizer_state: Shard sizes of every optimizer variable.
         train_step: The compiled training step.
         forward_step: The compiled forward (predict) step.
+
+    Example:
+
+    ```python
+    report = keras_autoshard.inspect_compiled(model, dist, (x, y))
+    report.parameter_bytes_per_device
+    report.train_step.operand_bytes("all-reduce", mesh_axes=("model",))
+    print(report.table())
+    ```
     """
 
     mesh: MeshSpec
@@ -108,6 +117,8 @@ class CompiledReport:
         return _max_device_total(self.optimizer_state)
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data, with per-kind collective summaries."""
+
         def shards(items):
             return [dataclasses.asdict(v) for v in items]
 
@@ -133,6 +144,7 @@ class CompiledReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
+        """`to_dict()` as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self) -> str:

@@ -1,0 +1,142 @@
+"""The planner's estimates next to what the compiler made of the plan.
+
+Pure functions over plain data: the planner's per-device estimates (a
+mapping of quantity → bytes) and a `CompiledReport`. A quantity whose
+estimate differs from the compiled figure by more than the tolerance is
+flagged, so a cost model that drifts from XLA shows up at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from rich.table import Table
+
+from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.report.compiled_report import CompiledReport
+
+DEFAULT_TOLERANCE = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateCheck:
+    """One quantity, estimated by the planner and read off the compiled step.
+
+    Args:
+        quantity: What is compared (`"train-step communication"`, ...).
+        estimated_bytes: The planner's estimate, per device.
+        compiled_bytes: The compiled program's figure, per device.
+        tolerance: Relative difference above which the row is flagged.
+    """
+
+    quantity: str
+    estimated_bytes: float
+    compiled_bytes: float
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def relative_difference(self) -> float:
+        """(estimate − compiled) / compiled; 0 when both are 0."""
+        if self.compiled_bytes == 0:
+            return 0.0 if self.estimated_bytes == 0 else math.inf
+        return (self.estimated_bytes - self.compiled_bytes) / self.compiled_bytes
+
+    @property
+    def flagged(self) -> bool:
+        return abs(self.relative_difference) > self.tolerance
+
+
+def planner_estimates(cost) -> dict[str, float]:
+    """The planner's per-device figures that a compiled step also has.
+
+    Args:
+        cost: A `PlanCost` (from `plan_with_cost`).
+
+    Returns:
+        Quantity → bytes per device; `"communication over <axis>"` per axis.
+    """
+    estimates = {
+        "parameters": cost.parameter_bytes,
+        "optimizer state": cost.optimizer_bytes,
+        "train-step communication": cost.communication_bytes,
+    }
+    for axis, axis_bytes in cost.communication_by_axis.items():
+        estimates[f"communication over {axis}"] = axis_bytes
+    estimates["gradients + activations (vs XLA temp)"] = (
+        cost.gradient_bytes + cost.activation_bytes
+    )
+    return estimates
+
+
+def check_estimates(
+    estimates: Mapping[str, float],
+    report: CompiledReport,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> tuple[EstimateCheck, ...]:
+    """Pair each estimate with the compiled figure it predicts.
+
+    Args:
+        estimates: Output of `planner_estimates` (unknown keys are skipped).
+        report: The compiled-program report of the planned model.
+        tolerance: Relative difference above which a row is flagged.
+
+    Returns:
+        One `EstimateCheck` per estimate that has a compiled counterpart.
+
+    Example:
+
+    ```python
+    checks = check_estimates(planner_estimates(result.cost), report)
+    print([c.quantity for c in checks if c.flagged])
+    ```
+    """
+    step = report.train_step
+    compiled = {
+        "parameters": report.parameter_bytes_per_device,
+        "optimizer state": report.optimizer_bytes_per_device,
+        "train-step communication": step.operand_bytes(),
+        "gradients + activations (vs XLA temp)": step.memory.get("temp_bytes", 0),
+    }
+    checks = []
+    for quantity, estimated in estimates.items():
+        if quantity.startswith("communication over "):
+            axis = quantity.removeprefix("communication over ")
+            actual = step.operand_bytes(mesh_axes=(axis,))
+        elif quantity in compiled:
+            actual = compiled[quantity]
+        else:
+            continue
+        checks.append(
+            EstimateCheck(quantity, float(estimated), float(actual), tolerance)
+        )
+    return tuple(checks)
+
+
+def estimate_table(checks: tuple[EstimateCheck, ...]) -> Table:
+    """The checks as a `rich.table.Table`, flagged rows marked `DIFFERS`."""
+    table = Table(title="Planner estimate vs compiled program (per device)")
+    table.add_column("quantity")
+    table.add_column("planner estimate", justify="right")
+    table.add_column("compiled", justify="right")
+    table.add_column("difference", justify="right")
+    table.add_column("check")
+    for check in checks:
+        difference = check.relative_difference
+        table.add_row(
+            check.quantity,
+            format_bytes(check.estimated_bytes),
+            format_bytes(check.compiled_bytes),
+            _percent(difference),
+            f"DIFFERS (>{check.tolerance:.0%})" if check.flagged else "ok",
+        )
+    return table
+
+
+def _percent(difference: float) -> str:
+    if math.isinf(difference):
+        return "n/a"
+    if abs(difference) < 0.005:
+        return "0%"
+    return f"{difference:+.0%}"

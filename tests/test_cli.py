@@ -1,0 +1,301 @@
+"""The `keras-autoshard` command line, run as a subprocess on small models.
+
+Each slow run (planning, compiling, benchmarking) happens once per module in
+a fixture and is checked by several tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT2_CONFIG = {
+    "vocabulary_size": 1024,
+    "num_layers": 2,
+    "num_heads": 4,
+    "hidden_dim": 64,
+    "intermediate_dim": 256,
+    "max_sequence_length": 64,
+}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m keras_autoshard ARGS` from the repository root."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run(
+        [sys.executable, "-m", "keras_autoshard", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------- plan
+@pytest.fixture(scope="module")
+def gpt2_plan(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt2_plan")
+    config = directory / "gpt2.json"
+    config.write_text(json.dumps(GPT2_CONFIG))
+    paths = {"json": directory / "plan.json", "png": directory / "plan.png"}
+    result = run_cli(
+        "plan",
+        "--hub",
+        "GPT2Backbone",
+        "--config",
+        str(config),
+        "--mesh",
+        "2x4",
+        "--seq-len",
+        "32",
+        "--json",
+        str(paths["json"]),
+        "--png",
+        str(paths["png"]),
+    )
+    return result, paths
+
+
+def test_plan_prints_the_plan_table_totals_and_communication(gpt2_plan):
+    result, _ = gpt2_plan
+    assert result.returncode == 0, explain(result)
+    out = result.stdout
+    assert "Sharding plan on mesh batch=2 x model=4" in out
+    assert "token_embedding/embeddings" in out
+    assert "(embed, heads, head_dim)" in out  # logical roles
+    assert "bytes/device" in out
+    assert "Per device (planner estimate)" in out
+    assert "communication per step" in out
+    assert "over model" in out
+
+
+def test_plan_json_is_a_loadable_plan_for_the_requested_mesh(gpt2_plan):
+    from keras_autoshard import ShardingPlan
+
+    result, paths = gpt2_plan
+    assert result.returncode == 0, explain(result)
+    plan = ShardingPlan.load(str(paths["json"]))
+    assert plan.mesh.shape == (2, 4)
+    assert plan.batch_axis == "batch"
+    query = plan.variable("transformer_layer_0/self_attention/query/kernel")
+    assert query.spec == (None, "model", None)
+
+
+def test_plan_png_is_a_nonempty_png_image(gpt2_plan):
+    result, paths = gpt2_plan
+    assert result.returncode == 0, explain(result)
+    data = paths["png"].read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    assert len(data) > 10_000
+
+
+def test_plan_shows_a_planning_progress_bar_on_stderr(gpt2_plan):
+    result, _ = gpt2_plan
+    assert "planning" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- inspect
+@pytest.fixture(scope="module")
+def builder_inspect(tmp_path_factory):
+    report_path = tmp_path_factory.mktemp("inspect") / "report.json"
+    result = run_cli(
+        "--devices",
+        "8",
+        "inspect",
+        "--builder",
+        "tests.models:build_mlp_block",
+        "--json",
+        str(report_path),
+    )
+    return result, report_path
+
+
+def test_inspect_prints_the_compiled_report_beside_the_estimate(builder_inspect):
+    result, _ = builder_inspect
+    assert result.returncode == 0, explain(result)
+    out = result.stdout
+    assert "train_step: collectives in the optimized HLO" in out
+    assert "XLA memory per device" in out
+    assert "Planner estimate vs compiled program" in out
+    rows = {
+        line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line
+    }
+    assert rows["parameters"].rstrip("│ ").endswith("ok")
+    assert rows["train-step communication"].rstrip("│ ").endswith("ok")
+
+
+def test_inspect_flags_estimates_that_differ_by_over_ten_percent(builder_inspect):
+    result, _ = builder_inspect
+    # XLA's temporary buffers hold far more than the planner's gradient and
+    # activation estimate on this model: that row must be flagged.
+    assert "DIFFERS (>10%)" in result.stdout
+    assert "differ from the compiled program by more than 10%" in result.stdout
+
+
+def test_inspect_json_holds_the_compiled_report(builder_inspect):
+    result, report_path = builder_inspect
+    assert result.returncode == 0, explain(result)
+    report = json.loads(report_path.read_text())
+    assert report["train_step"]["collectives"]
+    assert report["parameter_bytes_per_device"] > 0
+
+
+@pytest.fixture(scope="module")
+def keras_file(tmp_path_factory):
+    from tests.models import build_mlp_block
+
+    path = tmp_path_factory.mktemp("keras_file") / "mlp.keras"
+    build_mlp_block().save(str(path))
+    return path
+
+
+def test_inspect_of_a_keras_file_loads_its_weights_sharded(keras_file):
+    result = run_cli("inspect", "--keras-file", str(keras_file), "--mesh", "2x4")
+    assert result.returncode == 0, explain(result)
+    assert "Planned " + str(keras_file) + " on mesh batch=2 x model=4" in result.stdout
+    assert "loading mlp.keras" in result.stderr  # the load's progress bar
+
+
+# ----------------------------------------------------------------- errors
+def test_a_budget_no_plan_fits_is_an_error_without_traceback():
+    result = run_cli(
+        "plan", "--builder", "tests.models:build_mlp_block", "--memory-budget", "1KiB"
+    )
+    assert result.returncode == 1, explain(result)
+    assert "keras-autoshard plan: error: No plan fits" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_builder_that_cannot_be_imported_is_an_error_without_traceback():
+    result = run_cli("plan", "--builder", "no_such_module:build", "--mesh", "1x8")
+    assert result.returncode == 1, explain(result)
+    assert "Cannot import 'no_such_module'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--mesh", "2x4"], "one of the arguments --hub --builder"),
+        (["plan", "--hub", "GPT2Backbone", "--mesh", "2by4"], "mesh must look like"),
+        (
+            ["plan", "--hub", "GPT2Backbone", "--memory-budget", "lots"],
+            "a size must look like 16GiB",
+        ),
+        (
+            ["plan", "--keras-file", "m.keras", "--config", "{}"],
+            "--config goes with --hub or --builder",
+        ),
+        (
+            ["plan", "--hub", "GPT2Backbone", "--mesh", "2x4", "--devices", "4"],
+            "spans 8 devices but --devices is 4",
+        ),
+        (["inspect", "--hub", "GPT2Backbone", "--rule", "nospec"], "REGEX=SPEC"),
+        (["bench", "--only", "no_such_benchmark"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_give_a_usage_error_and_exit_code_2(args, message):
+    result = run_cli(*args, timeout=60)
+    assert result.returncode == 2, explain(result)
+    assert "usage: keras-autoshard" in result.stderr
+    assert message in result.stderr
+
+
+# ------------------------------------------------------------------ bench
+def test_bench_lists_every_benchmark_with_its_section():
+    result = run_cli("bench", "--list", timeout=60)
+    assert result.returncode == 0, explain(result)
+    for name, section in [
+        ("strategies", "sharding-strategies"),
+        ("plan_70b", "planning-70b"),
+        ("checkpoint_loading", "checkpoint-loading"),
+    ]:
+        assert name in result.stdout
+        assert section in result.stdout
+
+
+def test_bench_dry_run_prints_each_command_with_the_output_file(tmp_path):
+    output = tmp_path / "BENCH.md"
+    result = run_cli(
+        "bench", "--dry-run", "--quick", "--only", "strategies", "tensor_parallel",
+        "--output", str(output), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, explain(result)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2
+    assert "-m benchmarks.run_benchmarks --output" in lines[0]
+    assert lines[0].endswith("--quick")
+    assert "-m benchmarks.tensor_parallel" in lines[1]
+    assert not output.exists()
+
+
+def test_bench_runs_a_quick_benchmark_and_rewrites_only_its_section(tmp_path):
+    output = tmp_path / "BENCH.md"
+    output.write_text(
+        "# Benchmarks\n\nkept text\n\n"
+        "<!-- section:other -->\nother\n<!-- end:other -->\n"
+    )
+    result = run_cli(
+        "bench", "--only", "plan_70b", "--quick", "--output", str(output), timeout=300
+    )
+    assert result.returncode == 0, explain(result)
+    text = output.read_text()
+    assert "kept text" in text
+    assert "<!-- section:other -->\nother\n<!-- end:other -->" in text
+    assert "<!-- section:planning-70b -->" in text
+    assert "| batch=32 x model=8 |" in text
+    assert "Benchmarks written to" in result.stdout
+    assert "plan_70b" in result.stdout and "ok" in result.stdout
+
+
+# ------------------------------------------------------ pure helpers (fast)
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GiB", 16 * 2**30),
+        ("1.5 gib", 3 * 2**29),
+        ("512MB", 512 * 10**6),
+        ("8G", 8 * 2**30),
+        ("1024", 1024),
+    ],
+)
+def test_memory_budget_sizes_parse_with_binary_and_decimal_units(text, expected):
+    from keras_autoshard.cli_models import parse_byte_size
+
+    assert parse_byte_size(text) == expected
+
+
+def test_estimate_checks_flag_only_differences_over_the_tolerance():
+    from keras_autoshard.report.estimate_check import EstimateCheck
+
+    assert not EstimateCheck("x", 105.0, 100.0).flagged
+    assert EstimateCheck("x", 111.0, 100.0).flagged
+    assert EstimateCheck("x", 89.0, 100.0).flagged
+    assert EstimateCheck("x", 1.0, 0.0).flagged
+    assert not EstimateCheck("x", 0.0, 0.0).flagged
+
+
+def test_figure_layout_gives_each_column_block_to_its_model_axis_devices():
+    from keras_autoshard import MeshSpec, VariableSharding
+    from keras_autoshard.report.plan_figure import block_devices
+
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    kernel = VariableSharding("up/kernel", (64, 256), "float32", (None, "model"))
+    assert block_devices(kernel, mesh) == {
+        (0, 0): [0, 4],
+        (0, 1): [1, 5],
+        (0, 2): [2, 6],
+        (0, 3): [3, 7],
+    }

@@ -1,0 +1,1 @@
+"""Maintenance scripts: documentation generators and checks."""
