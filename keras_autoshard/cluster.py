@@ -321,7 +321,11 @@ def _from_jax(environ):
 def _from_torchrun(environ):
     if "MASTER_ADDR" not in environ or "WORLD_SIZE" not in environ:
         return None
-    port = environ.get("MASTER_PORT", str(DEFAULT_COORDINATOR_PORT))
+    # torchrun's own store listens on MASTER_PORT; JAX's coordinator (when
+    # torchrun only launches JAX processes) takes the next port.
+    port = environ.get("KERAS_AUTOSHARD_COORDINATOR_PORT") or str(
+        int(environ.get("MASTER_PORT", DEFAULT_COORDINATOR_PORT)) + 1
+    )
     return (
         f"{environ['MASTER_ADDR']}:{port}",
         environ["WORLD_SIZE"],

@@ -55,7 +55,7 @@ def test_torchrun_variables_are_read():
             "RANK": "3",
         }
     )
-    assert spec == ClusterSpec("127.0.0.1:29600", 4, 3, "torchrun")
+    assert spec == ClusterSpec("127.0.0.1:29601", 4, 3, "torchrun")
 
 
 @pytest.mark.parametrize(

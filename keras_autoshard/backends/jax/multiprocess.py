@@ -31,11 +31,18 @@ def start_jax_distributed(
         heartbeat_timeout_s: Seconds before a silent process counts as dead.
         initialization_timeout_s: Seconds to wait for all processes to join.
     """
-    if not spec.is_multi_process:
-        return
     from jax._src import distributed
 
-    if distributed.global_state.client is not None:
+    if not spec.is_multi_process:
+        detected = detected_cluster()
+        if detected is None or distributed.global_state.client is not None:
+            return
+        # A Cloud TPU pod slice (or another environment JAX recognises):
+        # JAX reads the coordinator, count and id itself.
+        logger.info("Joining the %s cluster JAX detected", detected)
+        spec = None
+
+    if spec is not None and distributed.global_state.client is not None:
         if (
             jax.process_count() == spec.num_processes
             and jax.process_index() == spec.process_id
@@ -48,15 +55,16 @@ def start_jax_distributed(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            coordinator_address=spec.coordinator_address,
-            num_processes=spec.num_processes,
-            process_id=spec.process_id,
+            coordinator_address=spec and spec.coordinator_address,
+            num_processes=spec and spec.num_processes,
+            process_id=spec and spec.process_id,
             heartbeat_timeout_seconds=heartbeat_timeout_s,
             initialization_timeout=initialization_timeout_s,
         )
     except RuntimeError as error:
+        where = spec.describe() if spec else "the detected cluster"
         raise ClusterError(
-            f"Could not join the JAX cluster as {spec.describe()}: {error}. "
+            f"Could not join the JAX cluster as {where}: {error}. "
             "Call keras_autoshard.initialize() first in the script, before any "
             "JAX array or Keras model is created, on every process."
         ) from error
@@ -69,6 +77,25 @@ def start_jax_distributed(
         jax.device_count(),
         jax.local_device_count(),
     )
+
+
+def detected_cluster() -> str | None:
+    """The name of a cluster environment JAX detects itself (e.g. Cloud TPU).
+
+    Only environments JAX detects without opting in count; SLURM, torchrun
+    and the explicit variables are read by `keras_autoshard.cluster` first.
+    """
+    from jax._src.clusters import ClusterEnv
+
+    for environment in ClusterEnv._cluster_types:
+        if environment.opt_in_only_method or environment.name == "slurm":
+            continue
+        try:
+            if environment.is_env_present():
+                return environment.name
+        except Exception:  # a probe that cannot run here is not this cluster
+            continue
+    return None
 
 
 def process_count() -> int:
