@@ -106,6 +106,12 @@ def test_rule_that_matches_nothing_is_an_error():
         _plan("gpt2", MESH_2x4, rules={r".*does_not_exist.*": (None,)})
 
 
+def test_rules_that_cannot_hold_are_an_error_naming_the_rules_not_a_budget():
+    with pytest.raises(PlanError, match="satisfies the rules") as error:
+        _plan("mlp", MESH_2x4, rules={r".*mlp_up/kernel": ("batch", "model")})
+    assert "mlp_up/kernel" in str(error.value) and "budget of" not in str(error.value)
+
+
 def test_memory_budget_is_respected_and_impossible_budget_is_an_error():
     build, batch = zoo.ZOO["gpt2"]
     free = plan_with_cost(build, MESH_8x1, sample_input=batch())

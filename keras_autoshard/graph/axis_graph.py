@@ -241,11 +241,15 @@ class SliceEdge:
         source: Class id of the operand dim.
         target: Class id of the result dim.
         tensor: Id of the operand tensor whose gradient is all-reduced.
+        reason: What made the edge (`"repeat"` for a `jnp.repeat`, as of
+            grouped key/value heads; `"reshape split"`, `"slice dim of
+            slice"`, ...), for the plan's notes.
     """
 
     source: int
     target: int
     tensor: int
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

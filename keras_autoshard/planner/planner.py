@@ -151,12 +151,14 @@ def plan_with_cost(
             memory_budget_bytes=memory_budget, optimizer_slots=optimizer_slots
         )
         best = None
+        reasons = []
         for mesh in meshes:
             task.describe(f"planning: search on {mesh.describe()}")
             try:
                 candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
             except InfeasibleError as error:
                 logger.info("Mesh %s: %s", mesh.describe(), error)
+                reasons.append(f"{mesh.describe()}: {error}")
                 continue
             finally:
                 task.advance()
@@ -164,6 +166,16 @@ def plan_with_cost(
                 best = candidate
         task.describe("planning: done")
     if best is None:
+        if memory_budget is None:
+            raise PlanError(
+                "No plan satisfies the rules and divisibility on "
+                f"{', '.join(m.describe() for m in meshes)} (there is no memory "
+                f"budget). {' '.join(reasons)} Check that each rule's spec can "
+                "hold: its mesh axes divide the dimensions they cut, no mesh axis "
+                "twice in one tensor, and tensors that must share a sharding "
+                "(e.g. a kernel and the activation it makes) are not pinned to "
+                f"conflicting axes. Rules given: {sorted(rules or {})}."
+            )
         raise PlanError(_no_fit_message(graph, meshes, memory_budget, optimizer_slots))
     sharding_plan, cost = best
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
@@ -316,12 +328,22 @@ def _notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
         source_axis = assignment.class_axis.get(edge.source)
         if target_axis is not None and source_axis != target_axis:
             source = graph.classes[edge.source]
-            notes.append(
-                f"GQA/MQA: {source.size} key/value heads cannot be split over "
-                f"{target_axis!r} (size {sizes[target_axis]}); they are replicated "
-                "and each device slices the query-head groups it owns (one "
-                "all-reduce of the key/value activations in the backward pass)."
-            )
+            if edge.reason == "repeat":
+                notes.append(
+                    f"GQA/MQA: {source.size} key/value heads cannot be split over "
+                    f"{target_axis!r} (size {sizes[target_axis]}); they are "
+                    "replicated and each device slices the query-head groups it "
+                    "owns (one all-reduce of the key/value activations in the "
+                    "backward pass)."
+                )
+            else:
+                notes.append(
+                    f"A dimension of size {source.size} is kept whole on "
+                    f"{target_axis!r} while the dimension taken from it "
+                    f"({edge.reason}, size {graph.classes[edge.target].size}) is "
+                    f"split over {target_axis!r}: each device slices its part "
+                    "locally, and the gradient is all-reduced in the backward pass."
+                )
     for cls_id, role in roles.items():
         if role != "vocab":
             continue

@@ -287,7 +287,7 @@ class _GraphBuilder:
             self.uf.mark_unshardable(target_elem, reason)
             return
         tensor = source[0] if grad_tensor is None else grad_tensor
-        self.slice_edges.append((source_elem, target_elem, tensor))
+        self.slice_edges.append((source_elem, target_elem, tensor, reason))
 
     def build(self) -> AxisGraph:
         self._mark_repeated_classes()
@@ -391,13 +391,15 @@ class _GraphBuilder:
         return tuple(merged)
 
     def _final_slice_edges(self, class_of: dict[int, int]) -> tuple[SliceEdge, ...]:
-        edges: dict[tuple[int, int, int], None] = {}
-        for source, target, tensor in self.slice_edges:
+        edges: dict[tuple[int, int, int], str] = {}
+        for source, target, tensor, reason in self.slice_edges:
             source_class = class_of[self.uf.find(source)]
             target_class = class_of[self.uf.find(target)]
             if source_class != target_class:
-                edges[source_class, target_class, tensor] = None
-        return tuple(SliceEdge(s, t, tensor) for s, t, tensor in edges)
+                edges.setdefault((source_class, target_class, tensor), reason)
+        return tuple(
+            SliceEdge(s, t, tensor, reason) for (s, t, tensor), reason in edges.items()
+        )
 
 
 @dataclasses.dataclass
@@ -698,11 +700,12 @@ def _map_reshape_group(
             e.mark(out, dim, "minor factor of reshape split")
     elif len(group_out) == 1:
         # Merge: the major input factor is a block of the output dim.
+        repeat_source = _repeat_source(e, operand, group_in)
         e.builder.add_slice_edge(
             (operand, group_in[0]),
             (out, group_out[0]),
-            "reshape merge",
-            _repeat_source(e, operand, group_in),
+            "reshape merge" if repeat_source is None else "repeat",
+            repeat_source,
         )
         for dim in group_in[1:]:
             e.mark(operand, dim, "minor factor of reshape merge")
