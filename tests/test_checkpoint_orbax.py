@@ -319,3 +319,18 @@ def test_damaged_metadata_and_empty_directory_are_errors(tmp_path):
         f.write("{not json")
     with pytest.raises(CheckpointError, match=str(tmp_path / "ckpt" / "1")):
         restore_checkpoint(model, tmp_path / "ckpt")
+
+
+def test_save_progress_bar_counts_this_process_shard_bytes(tmp_path, capfd):
+    inputs = keras.Input((256,))
+    outputs = keras.layers.Dense(1024, name="wide")(inputs)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.zeros((8, 256)), np.zeros((8, 1024)), verbose=0)
+    save_checkpoint(model, tmp_path / "ckpt", step=1, progress=True)
+    # Parameters and Adam's two moments, in MiB, on this single process.
+    weights_mib = (256 * 1024 + 1024) * 4 * 3 / 2**20
+    bar = capfd.readouterr().err
+    assert "saving step 1 (MiB)" in bar
+    assert f"{weights_mib:.0f}/{weights_mib:.0f}" in bar.replace(" ", "")
+    assert complete_steps(tmp_path / "ckpt") == [1]

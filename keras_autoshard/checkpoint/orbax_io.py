@@ -86,6 +86,22 @@ class PendingSave:
     _checkpointer: Any
     _response: Any
 
+    def done(self, timeout_s: float = 0.0) -> bool:
+        """Whether the save has finished (successfully or not).
+
+        Args:
+            timeout_s: Seconds to wait for it first.
+        """
+        if self._checkpointer is None:
+            return True
+        try:
+            self._response.result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        except Exception:  # failed: finished; wait() raises the error
+            return True
+        return True
+
     def wait(self) -> None:
         """Block until the step is committed, then release the writer."""
         if self._checkpointer is None:
@@ -146,6 +162,7 @@ def save_checkpoint(
     max_to_keep: int | None = None,
     include_model_config: bool = True,
     wait: bool = True,
+    progress: bool = False,
 ) -> PendingSave:
     """Save `model`'s weights, optimizer and metric state, shard by shard.
 
@@ -162,6 +179,8 @@ def save_checkpoint(
             checkpoint can rebuild the model.
         wait: Block until the step is on disk; with `False`, training can
             go on while it is written: call `wait()` on the result.
+        progress: Show a progress bar (on stderr) of the bytes written so
+            far against this process's shard bytes, while waiting.
 
     Returns:
         A `PendingSave` (already finished when `wait`).
@@ -199,8 +218,39 @@ def save_checkpoint(
         ) from error
     pending = PendingSave(step, directory, checkpointer, response)
     if wait:
+        if progress:
+            _show_save_progress(pending, payload[STATE_CHECKPOINTABLE])
         pending.wait()
     return pending
+
+
+def _show_save_progress(pending: PendingSave, state_tree: Mapping) -> None:
+    """Poll the step's folder until the save is done, as a bar of bytes."""
+    from keras_autoshard.backends.jax.sharded_arrays import local_shard_bytes
+    from keras_autoshard.progress import progress_bar
+
+    expected = sum(local_shard_bytes(v) for v in _flatten(state_tree).values())
+    mib = 2**20
+    with progress_bar(
+        f"saving step {pending.step} (MiB)", total=round(expected / mib, 1)
+    ) as task:
+        written = 0.0
+        while not pending.done(timeout_s=0.1):
+            now = min(_folder_bytes(pending.directory) / mib, expected / mib)
+            task.advance(max(0.0, now - written))
+            written = max(written, now)
+        task.advance(max(0.0, expected / mib - written))
+
+
+def _folder_bytes(directory: str) -> int:
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # renamed or removed while the save commits
+                continue
+    return total
 
 
 def new_checkpointer(directory: str, max_to_keep: int | None = None):

@@ -122,3 +122,22 @@ def abstract_like(state_tree: Mapping[str, Any]) -> dict[str, Any]:
         return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding)
 
     return convert(state_tree)
+
+
+def local_shard_bytes(array) -> int:
+    """Bytes of `array` this process owns and would write (one copy per slice).
+
+    Args:
+        array: A `jax.Array` (its addressable shards of replica 0 count) or
+            any array-like (all its bytes count).
+
+    Returns:
+        Byte count.
+    """
+    if isinstance(array, jax.Array):
+        return sum(
+            shard.data.nbytes
+            for shard in array.addressable_shards
+            if shard.replica_id == 0
+        )
+    return int(np.asarray(array).nbytes)
