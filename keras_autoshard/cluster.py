@@ -189,6 +189,7 @@ def initialize(
 
             _export_torch_variables(spec)
             ensure_process_group(timeout_s=heartbeat_timeout_s * 3)
+            spec = _as_torch_spec(spec)
     elif spec.is_multi_process:
         raise ClusterError(
             f"Multi-process jobs need KERAS_BACKEND=jax or torch; this process "
@@ -209,7 +210,8 @@ def process_batch_rows(global_batch_size: int, distribution=None) -> slice:
     Args:
         global_batch_size: Rows in one global batch.
         distribution: The distribution the model trains under; defaults to
-            the active one.
+            the active one. On the PyTorch backend: the `TensorParallel`
+            model (or sharded model) the rows are for.
 
     Returns:
         A slice of `range(global_batch_size)`.
@@ -224,17 +226,37 @@ def process_batch_rows(global_batch_size: int, distribution=None) -> slice:
     """
     import keras
 
+    from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+
+    if keras.backend.backend() == "torch":
+        return _torch_batch_rows(global_batch_size, distribution)
     distribution = distribution or keras.distribution.distribution()
     if distribution is None:
         return slice(0, global_batch_size)
     from keras_autoshard.backends.jax.multiprocess import local_batch_rows
-    from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
 
     device_mesh = distribution.device_mesh
     batch_axis = distribution.batch_dim_name or next(
         (name for name in device_mesh.axis_names if name in DATA_AXIS_NAMES), None
     )
     return local_batch_rows(global_batch_size, device_mesh.backend_mesh, batch_axis)
+
+
+def _torch_batch_rows(global_batch_size: int, sharded_model) -> slice:
+    from keras_autoshard.backends.torch.process_group import local_batch_rows
+    from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+
+    mesh = getattr(sharded_model, "mesh", None)
+    if mesh is None and getattr(sharded_model, "_sharding", None) is not None:
+        mesh = sharded_model.plan.mesh
+    if mesh is None:
+        raise ClusterError(
+            "On the PyTorch backend, process_batch_rows needs the model the rows "
+            "are for: pass the TensorParallel(..., distributed_backend='torch') "
+            f"model (or a sharded model) as `distribution`, got {sharded_model!r}."
+        )
+    batch_axis = next((n for n in mesh.axis_names if n in DATA_AXIS_NAMES), None)
+    return local_batch_rows(global_batch_size, mesh, batch_axis)
 
 
 def first_slurm_host(node_list: str) -> str:
@@ -350,6 +372,14 @@ _ENVIRONMENT_READERS = (
     ("torchrun", _from_torchrun),
     ("slurm", _from_slurm),
 )
+
+
+def _as_torch_spec(spec: ClusterSpec) -> ClusterSpec:
+    """torch's rendezvous is MASTER_ADDR:MASTER_PORT itself (not JAX's port)."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return dataclasses.replace(spec, coordinator_address=address)
+    return spec
 
 
 def _export_torch_variables(spec: ClusterSpec) -> None:

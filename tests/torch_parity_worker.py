@@ -5,13 +5,21 @@ the sharded copy), plans the sharded one with the JAX planner, and compares
 forward outputs, gradients and 5 Adam steps. Writes `rank<r>.json` into the
 output directory: {"ok": bool, "problems": [...], figures...}.
 
-Usage: torchrun --nproc-per-node N tests/torch_parity_worker.py MODEL DxM OUT [kill]
+Usage: torchrun --nproc-per-node N tests/torch_parity_worker.py MODEL DxM OUT [MODE]
 
 With `kill`, rank 1 SIGKILLs itself at the start of the third training step
 (after writing the time to `killed_at`); the other ranks are left waiting in
 that step's collectives.
+
+With `multinode` (torchrun `--nnodes 2`), the job joins through
+`keras_autoshard.initialize()`, each rank generates only its own rows of the
+global batch, and 5 Adam steps are compared with one process; the state is
+then saved with torch.distributed.checkpoint and loaded into a differently
+initialised sharded copy, which takes a sixth step. The result also records
+the cluster spec and which node each mesh neighbour runs on.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +36,10 @@ import torch  # noqa: E402
 
 from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.backends.torch.dtensor_layout import torch_device_mesh  # noqa: E402
-from keras_autoshard.backends.torch.planning import plan_for_torch  # noqa: E402
+from keras_autoshard.backends.torch.planning import (  # noqa: E402
+    align_plan,
+    plan_for_torch,
+)
 from keras_autoshard.backends.torch.process_group import ensure_process_group  # noqa: E402
 from keras_autoshard.backends.torch.sharded_model import TorchShardedModel  # noqa: E402
 
@@ -37,8 +48,8 @@ STEPS = 5
 BATCH, SEQ = 8, 16
 
 
-def build(name):
-    keras.utils.set_random_seed(0)
+def build(name, seed=0):
+    keras.utils.set_random_seed(seed)
     if name == "mlp":
         inputs = keras.Input((SEQ, 32), name="features")
         h = keras.layers.Dense(128, activation="gelu", name="mlp_up")(inputs)
@@ -69,6 +80,25 @@ def batch(name):
         }
         out = 64
     y = rng.standard_normal((BATCH, SEQ, out)).astype("float32")
+    return x, y
+
+
+def batch_rows(name, rows):
+    """Rows `rows` of the global batch, each generated from its own index, so a
+    rank makes only its own part and one process makes all of them."""
+    xs, ys = [], []
+    for row in rows:
+        rng = np.random.default_rng([0, row])
+        if name == "mlp":
+            xs.append(rng.standard_normal((SEQ, 32)).astype("float32"))
+            out = 8
+        else:
+            xs.append(rng.integers(0, 256, (SEQ,)).astype("int32"))
+            out = 64
+        ys.append(rng.standard_normal((SEQ, out)).astype("float32"))
+    x, y = np.stack(xs), np.stack(ys)
+    if name != "mlp":
+        x = {"token_ids": x, "padding_mask": np.ones_like(x)}
     return x, y
 
 
@@ -186,9 +216,135 @@ def tensor_parallel_run(mesh, out_dir):
     torch.distributed.destroy_process_group()
 
 
+def torch_state(sharded):
+    """Every model and optimizer variable's (DTensor) value, keyed by position."""
+    model_values = {
+        f"model/{i}": v.value for i, v in enumerate(sharded.inner.variables)
+    }
+    optimizer_values = {
+        f"optimizer/{i}": v.value for i, v in enumerate(sharded.optimizer.variables)
+    }
+    return {**model_values, **optimizer_values}
+
+
+def restore_from_torch_checkpoint(sharded, name, device_mesh, directory):
+    """Save `sharded` with torch.distributed.checkpoint (each rank writes its
+    own shards), load it into a differently initialised sharded copy.
+
+    Returns the copy and the relative difference of its weights from the
+    saved ones before loading (large, so a load that did nothing shows)."""
+    import torch.distributed.checkpoint as dcp
+
+    from keras_autoshard.backends.torch.sharded_state import shard_optimizer_variables
+
+    dcp.save(torch_state(sharded), checkpoint_id=directory)
+    fresh = build(name, seed=1)
+    paths = [v.path for v in sharded.inner.variables]
+    plan = align_plan(sharded.plan, paths, fresh)
+    restored = TorchShardedModel(fresh, plan, device_mesh)
+    restored.compile(optimizer=adam(), loss="mse")
+    shard_optimizer_variables(restored)
+    pairs = zip(fresh.trainable_variables, sharded.inner.trainable_variables)
+    before = max(relative(plain(v.value), plain(s.value)) for v, s in pairs)
+    with torch.no_grad():
+        dcp.load(torch_state(restored), checkpoint_id=directory)
+    return restored, before
+
+
+def multinode_run(name, mesh_text, out_dir):
+    """Two torchrun nodes: `initialize()`, own rows per rank, 5 Adam steps."""
+    import keras_autoshard as ka
+
+    spec = ka.initialize()
+    again = ka.initialize()
+    ensure_process_group()
+    rank = torch.distributed.get_rank()
+    mesh = MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
+    reference = build(name)
+    model = build(name)
+    x, y = batch_rows(name, range(BATCH))
+    plan = plan_for_torch(model, mesh, x)
+    device_mesh = torch_device_mesh(mesh)
+    sharded = TorchShardedModel(model, plan, device_mesh)
+
+    row_slice = ka.process_batch_rows(BATCH, sharded)
+    rows = range(row_slice.start, row_slice.stop)
+    local, local_y = batch_rows(name, rows)
+
+    reference.compile(optimizer=adam(), loss="mse")
+    sharded.compile(optimizer=adam(), loss="mse")
+    ref_losses = [float(reference.train_on_batch(x, y)) for _ in range(STEPS)]
+    losses = [float(sharded.train_on_batch(local, local_y)) for _ in range(STEPS)]
+    pairs = list(zip(model.trainable_variables, reference.trainable_variables))
+    weight_scale = max(float(np.max(np.abs(plain(r.value)))) for _, r in pairs)
+    figures = {
+        "losses": relative(losses, ref_losses),
+        "weights_after_steps": max(
+            relative(plain(v.value), plain(r.value), weight_scale) for v, r in pairs
+        ),
+    }
+
+    restored, before_load = restore_from_torch_checkpoint(
+        sharded, name, device_mesh, os.path.join(out_dir, "checkpoint")
+    )
+    restored_loss = float(restored.train_on_batch(local, local_y))
+    figures["restored_next_loss"] = relative(
+        restored_loss, float(reference.train_on_batch(x, y))
+    )
+    figures["restored_weights"] = max(
+        relative(plain(v.value), plain(r.value), weight_scale)
+        for v, r in zip(
+            restored.inner.trainable_variables, reference.trainable_variables
+        )
+    )
+    problems = [
+        f"{key}: relative difference {value:.3g} > {RTOL}"
+        for key, value in figures.items()
+        if not value <= RTOL
+    ]
+
+    def nodes_along(axis):
+        nodes = [None] * mesh.axis_size(axis)
+        node = int(os.environ["GROUP_RANK"])
+        torch.distributed.all_gather_object(
+            nodes, node, group=device_mesh.get_group(axis)
+        )
+        return nodes
+
+    result = {
+        "ok": not problems,
+        "problems": problems,
+        **figures,
+        "restored_weights_before_load": before_load,
+        "loss_values": losses,
+        "reference_losses": ref_losses,
+        "spec": dataclasses.asdict(spec),
+        "master_port": os.environ["MASTER_PORT"],
+        "second_initialize_same": again == spec,
+        "rank": rank,
+        "world_size": torch.distributed.get_world_size(),
+        "node": int(os.environ["GROUP_RANK"]),
+        "rows": [rows.start, rows.stop],
+        "local_inputs_sum": sum(
+            float(np.sum(part, dtype="float64")) for part in keras.tree.flatten(local)
+        ),
+        "nodes_along_batch": nodes_along("batch"),
+        "nodes_along_model": nodes_along("model"),
+        "sharded_variables": sum(
+            any(axis is not None for axis in v.spec) for v in plan.variables
+        ),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
 def main():
     name, mesh_text, out_dir = sys.argv[1:4]
     mode = sys.argv[4] if len(sys.argv) > 4 else "parity"
+    if mode == "multinode":
+        multinode_run(name, mesh_text, out_dir)
+        return
     if mode == "tensor_parallel":
         ensure_process_group()
         shape = tuple(int(s) for s in mesh_text.split("x"))

@@ -11,8 +11,10 @@ same model and mesh.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -30,6 +32,8 @@ from keras_autoshard.plans.sharding_plan import (
 )
 
 PLANNING_TIMEOUT_S = 600
+RANK_ZERO_WAIT_S = PLANNING_TIMEOUT_S + 60
+_SHARED_COUNT = 0
 
 
 def plan_for_torch(
@@ -197,9 +201,21 @@ def _on_rank_zero(compute) -> dict[str, Any]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return compute()
-    box = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    # Through the rendezvous store, not a collective: planning a large model
+    # can outlast the process group's timeout (kept short so a dead rank
+    # stops the others quickly).
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    global _SHARED_COUNT
+    _SHARED_COUNT += 1
+    key = f"keras_autoshard/rank0/{_SHARED_COUNT}"
+    store = _get_default_store()
+    if dist.get_rank() == 0:
+        result = compute()
+        store.set(key, pickle.dumps(result))
+        return result
+    store.wait([key], datetime.timedelta(seconds=RANK_ZERO_WAIT_S))
+    return pickle.loads(store.get(key))
 
 
 def _prod(values) -> int:

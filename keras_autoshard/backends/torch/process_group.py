@@ -62,3 +62,33 @@ def device_type() -> str:
     import torch.distributed as dist
 
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def local_batch_rows(global_batch_size: int, mesh, batch_axis: str | None) -> slice:
+    """The rows of each global batch this rank feeds (torch ranks fill the
+    mesh in row-major order, as `torch_device_mesh` lays them out).
+
+    Args:
+        global_batch_size: Rows in one global batch.
+        mesh: The plan's `MeshSpec`.
+        batch_axis: The mesh axis the batch is split over (`None`: all rows).
+
+    Returns:
+        A slice of `range(global_batch_size)`.
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    if batch_axis is None:
+        return slice(0, global_batch_size)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    coordinates = np.unravel_index(rank, mesh.shape)
+    index = int(coordinates[list(mesh.axis_names).index(batch_axis)])
+    ways = mesh.axis_size(batch_axis)
+    if global_batch_size % ways:
+        raise TorchSetupError(
+            f"Global batch {global_batch_size} cannot be cut into {ways} equal "
+            f"parts over mesh axis {batch_axis!r}. Use a multiple of {ways}."
+        )
+    rows = global_batch_size // ways
+    return slice(index * rows, (index + 1) * rows)
