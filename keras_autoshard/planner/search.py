@@ -25,6 +25,7 @@ from keras_autoshard.planner.cost_model import (
     PlannerOptions,
     contraction_flops,
     iteration_classes,
+    table_exchanges,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
 
@@ -263,6 +264,47 @@ class _Program:
                 both = self.lp.add_var(cost=coefficient)
                 self.lp.add_row({both: 1.0, gathered: -1.0, z: -1.0}, lower=-1.0)
 
+    def add_table_exchanges(self) -> None:
+        """Credit FSDP-cut, otherwise replicated lookup tables (see
+        `cost_model.TableExchange`) with the gradient all-reduce they avoid."""
+        if len(self.axes) != 1:  # see TableExchange: one-axis meshes only
+            return
+        for exchange in table_exchanges(self.graph):
+            table = self.graph.param(exchange.param)
+            event = self.graph.comm_events[exchange.gradient_event]
+            for axis in self.axes:
+                saving = exchange.saving_bytes(self.graph, axis.size)
+                hidden = [
+                    var
+                    for dim, var in self.y.get((table.name, axis.name), {}).items()
+                    if dim != exchange.indexed_dim
+                ]
+                triggers = [
+                    self.x[(c, axis.name)]
+                    for c in event.classes
+                    if (c, axis.name) in self.x
+                ]
+                if saving <= 0 or not hidden or not triggers:
+                    continue
+                trade = self.lp.add_var(cost=-saving)
+                self.lp.add_row({trade: 1.0, **{v: -1.0 for v in hidden}}, upper=0.0)
+                self.lp.add_row({trade: 1.0, **{v: -1.0 for v in triggers}}, upper=0.0)
+                for c in set(table.dim_classes) - {None}:
+                    for other in self.axes:
+                        if (c, other.name) in self.x:
+                            self.lp.add_row(
+                                {trade: 1.0, self.x[(c, other.name)]: 1.0}, upper=1.0
+                            )
+                cut_elsewhere = [
+                    var
+                    for (name, axis_name), by_dim in self.y.items()
+                    if name == table.name
+                    for dim, var in by_dim.items()
+                    if axis_name != axis.name or dim == exchange.indexed_dim
+                ]
+                for var in cut_elsewhere:
+                    self.lp.add_row({trade: 1.0, var: 1.0}, upper=1.0)
+
     def add_replicated_math_penalty(self) -> None:
         device_count = math.prod(self.sizes.values())
         for event in self.graph.comm_events:
@@ -345,6 +387,7 @@ def search(
     program.add_fsdp_vars()
     program.add_conflicts()
     program.add_communication()
+    program.add_table_exchanges()
     program.add_replicated_math_penalty()
     program.add_memory_budget()
     logger.info(

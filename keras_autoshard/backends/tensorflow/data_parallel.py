@@ -108,27 +108,51 @@ def check_data_parallel_mesh(mesh: MeshSpec, what: str) -> None:
         )
 
 
-def check_data_parallel_plan(plan: ShardingPlan) -> None:
-    """Raise unless `plan` keeps every variable whole (pure data parallelism).
+def check_data_parallel_plan(plan: ShardingPlan, cuts_required: bool = True) -> None:
+    """Raise unless `plan` can run as pure data parallelism.
+
+    A plan on a data-only mesh may still cut some variables over the data
+    axis for storage (FSDP-style) where that saves communication on JAX.
+    `MirroredStrategy` keeps every variable whole; when no memory budget or
+    rule asked for those cuts (`cuts_required=False`) the math is the same,
+    so they are dropped with a warning naming them.
 
     Args:
         plan: A plan for the model about to train under `MirroredStrategy`.
+        cuts_required: Whether a memory budget or user rules asked for the
+            plan's cuts (then a cut is an error).
 
     Raises:
         TensorFlowModelParallelError: the plan's mesh has a model axis larger
-            than 1, or the plan cuts a variable (tensor parallelism, or
-            FSDP-style cuts over the batch axis that a memory budget asked for).
+            than 1, or the plan cuts a variable that a budget or rule needs cut.
     """
     check_data_parallel_mesh(plan.mesh, "The plan")
     sharded = [v for v in plan.variables if any(axis for axis in v.spec)]
+    shown = ", ".join(f"{v.path} {v.spec}" for v in sharded[:3])
+    more = f" and {len(sharded) - 3} more" if len(sharded) > 3 else ""
+    if sharded and not cuts_required:
+        logger.warning(
+            "TensorFlow keeps %d variable(s) whole on every device that the plan "
+            "cuts over the data axis for storage (%s%s): MirroredStrategy "
+            "replicates variables. Results are the same; memory per device is "
+            "higher than the plan says. Use KERAS_BACKEND=jax for the cut.",
+            len(sharded),
+            shown,
+            more,
+        )
+        return
     if sharded:
-        shown = ", ".join(f"{v.path} {v.spec}" for v in sharded[:3])
-        more = f" and {len(sharded) - 3} more" if len(sharded) > 3 else ""
         raise TensorFlowModelParallelError(
             f"The plan cuts {len(sharded)} variable(s) over devices ({shown}{more}), "
             f"but {WHY}. Raise memory_budget (or drop the rules that cut "
             f"variables) so every variable stays whole. {ALTERNATIVES}"
         )
+
+
+def cuts_asked(memory_budget, rules) -> bool:
+    """Whether a memory budget or a rule that cuts a dimension was given."""
+    pinned_cuts = any(any(axis for axis in spec) for spec in (rules or {}).values())
+    return memory_budget is not None or pinned_cuts
 
 
 def data_parallel_mesh(device_mesh, device_count: int) -> MeshSpec:
@@ -265,7 +289,9 @@ class TensorFlowAutoShardDistribution:
             memory_budget=self._memory_budget,
             rules=self._rules,
         )
-        check_data_parallel_plan(plan)
+        check_data_parallel_plan(
+            plan, cuts_required=cuts_asked(self._memory_budget, self._rules)
+        )
         self._plan = plan
         return plan
 

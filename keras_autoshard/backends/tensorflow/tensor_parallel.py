@@ -27,6 +27,7 @@ from keras_autoshard.backends.tensorflow.data_parallel import (
     WHY,
     TensorFlowModelParallelError,
     check_data_parallel_plan,
+    cuts_asked,
     data_parallel_strategy,
 )
 from keras_autoshard.plans.rules import Spec
@@ -149,7 +150,9 @@ class TensorFlowTensorParallel(keras.Model):
                 memory_budget=self._memory_budget,
                 rules=self._rules,
             )
-            check_data_parallel_plan(plan)
+            check_data_parallel_plan(
+                plan, cuts_required=cuts_asked(self._memory_budget, self._rules)
+            )
             self._plan = plan
             self.built = True
         return self._plan
