@@ -238,7 +238,10 @@ same figure for the hand-written Megatron plan, for the backbone's own \
 `get_layout_map` (n/a: the class has none), and by the Megatron minimum (per \
 layer 2 + 2 all-reduces of (b/data)·s·h·4 bytes over the model axis, plus \
 the gradient all-reduce over the data axis; on the 8x1 mesh only the \
-gradient all-reduce). *auto params ÷ ideal* is the per-device parameter \
+gradient all-reduce, which the auto plan goes below on 8x1 by cutting the \
+token-embedding table over the data axis along its hidden dim: XLA then \
+moves the lookup's activations, two all-to-alls of (b/data)·s·h, instead of \
+all-reducing the table's gradient). *auto params ÷ ideal* is the per-device parameter \
 bytes over (all parameter bytes ÷ 8). *auto_budget* is the collective bytes \
 with a budget of 1.05 × (parameters + Adam moments) ÷ 8 per device; \
 *budget state/device* is its measured parameter + optimizer bytes per \

@@ -170,7 +170,7 @@ class TableExchange:
     the lookup output, forward and backward; measured on KerasHub Gemma,
     Llama and GPT-2). Measured too: with a second mesh axis (data × model)
     XLA goes back to all-reducing the gradient and the trade costs more, so
-    it is only offered on a mesh with a single axis.
+    it is only offered on a mesh whose one axis (of size > 1) is a data axis.
 
     Args:
         param: The table's tensor name.
@@ -289,7 +289,8 @@ def evaluate(
         tensor = graph.param(name)
         for _, axis in dims:
             by_axis[axis] += local_bytes(tensor, assignment, sizes)
-    for exchange in table_exchanges(graph) if len(sizes) == 1 else ():
+    one_data_axis = len(axes) == 1 and axes[0].data_only
+    for exchange in table_exchanges(graph) if one_data_axis else ():
         for axis, size in sizes.items():
             saving = exchange.saving_bytes(graph, size)
             if saving > 0 and table_exchange_applies(graph, exchange, assignment, axis):

@@ -267,8 +267,8 @@ class _Program:
     def add_table_exchanges(self) -> None:
         """Credit FSDP-cut, otherwise replicated lookup tables (see
         `cost_model.TableExchange`) with the gradient all-reduce they avoid."""
-        if len(self.axes) != 1:  # see TableExchange: one-axis meshes only
-            return
+        if len(self.axes) != 1 or not self.axes[0].data_only:
+            return  # see TableExchange: meshes with one data axis only
         for exchange in table_exchanges(self.graph):
             table = self.graph.param(exchange.param)
             event = self.graph.comm_events[exchange.gradient_event]
