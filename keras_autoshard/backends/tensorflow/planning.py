@@ -17,14 +17,12 @@ import keras
 from keras.src import tree
 
 from keras_autoshard.backends.torch.planning import (
-    _layer_modules,
-    _serialized,
-    align_plan,
-    encode_input_shapes,
+    plan_from_worker_result,
+    planning_request,
     run_plan_worker,
 )
 from keras_autoshard.plans.rules import Spec
-from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
+from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 
 
 def plan_for_tensorflow(
@@ -60,26 +58,10 @@ def plan_for_tensorflow(
     plan == keras_autoshard.plan(model_built_under_jax, mesh, x)   # True
     ```
     """
-    # The planner needs the architecture only; a compiled model's optimizer
-    # would be rebuilt in the worker's shapes-only build, where it cannot be.
-    architecture = _serialized(model)
-    architecture.pop("compile_config", None)
-    request = {
-        "model": architecture,
-        "modules": sorted(_layer_modules(model)),
-        "mesh": {
-            "shape": list(device_mesh.shape),
-            "axes": list(device_mesh.axis_names),
-        },
-        "inputs": encode_input_shapes(input_shapes(sample_input)),
-        "memory_budget": memory_budget,
-        "rules": {k: list(v) for k, v in (rules or {}).items()},
-    }
-    result = run_plan_worker(request)
-    if "error" in result:
-        raise PlanError(result["error"])
-    plan = ShardingPlan.from_json(result["plan"])
-    return align_plan(plan, result["paths"], model)
+    request = planning_request(
+        model, device_mesh, input_shapes(sample_input), memory_budget, rules
+    )
+    return plan_from_worker_result(run_plan_worker(request), model)
 
 
 def input_shapes(sample_input):

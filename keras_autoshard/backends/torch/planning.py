@@ -62,8 +62,39 @@ def plan_for_torch(
         PlanError: the model cannot be serialised or planned (the message
             says which and how to plan it under JAX instead).
     """
-    request = {
-        "model": _serialized(model),
+    request = planning_request(model, device_mesh, sample_input, memory_budget, rules)
+    result = _on_rank_zero(lambda: run_plan_worker(request))
+    return plan_from_worker_result(result, model)
+
+
+def planning_request(
+    model: keras.Model,
+    device_mesh: MeshSpec,
+    sample_input,
+    memory_budget: int | None = None,
+    rules: Mapping[str, Spec] | None = None,
+) -> dict[str, Any]:
+    """What the JAX planning subprocess needs, as JSON-able data.
+
+    Used by every backend that plans in a JAX subprocess (PyTorch, TensorFlow).
+
+    Args:
+        model: A built, serialisable Keras model.
+        device_mesh: The mesh to plan for.
+        sample_input: One global batch (anything with `shape` and a dtype
+            whose name, without a `torch.` prefix, Keras knows).
+        memory_budget: Per-device bytes for parameters and optimizer state.
+        rules: Regular expression on variable path → spec, pinned.
+
+    Returns:
+        The request for `run_plan_worker`.
+    """
+    # The planner needs the architecture only; a compiled model's optimizer
+    # would be rebuilt in the worker's shapes-only build, where it cannot be.
+    architecture = _serialized(model)
+    architecture.pop("compile_config", None)
+    return {
+        "model": architecture,
         "modules": sorted(_layer_modules(model)),
         "mesh": {
             "shape": list(device_mesh.shape),
@@ -73,7 +104,10 @@ def plan_for_torch(
         "memory_budget": memory_budget,
         "rules": {k: list(v) for k, v in (rules or {}).items()},
     }
-    result = _on_rank_zero(lambda: run_plan_worker(request))
+
+
+def plan_from_worker_result(result: dict[str, Any], model: keras.Model) -> ShardingPlan:
+    """The worker's plan under `model`'s paths, or its error as a `PlanError`."""
     if "error" in result:
         raise PlanError(result["error"])
     plan = ShardingPlan.from_json(result["plan"])
