@@ -1,6 +1,8 @@
 """Compiled collective bytes of automatic plans against hand-written Megatron
 plans and KerasHub's own layout maps, and the tight memory budget."""
 
+import dataclasses
+
 import keras
 import pytest
 
@@ -152,9 +154,12 @@ def test_data_only_mesh_trades_the_embedding_gradient_all_reduce_as_estimated():
     assert compiled < result.plan.total_bytes()
 
 
-@pytest.mark.parametrize("name", ["gemma", "llama"])
-def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name):
-    mesh = MESHES[0]
+@pytest.mark.parametrize("name, mesh", KERAS_HUB_CASES, ids=str)
+def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh):
+    """With 1.05 × (parameters + Adam) ÷ devices the plan fits (addressable
+    shards) and moves fewer bytes than KerasHub's map; on the data-only 8x1
+    mesh the budget leaves one plan, full FSDP, which is what KerasHub's map
+    is there: equal bytes, not more."""
     build, x, y = _batch(name)
     free = plan_with_cost(build, mesh, sample_input=x)
     parameter_bytes = free.plan.total_bytes()
@@ -166,4 +171,35 @@ def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name):
     )
     assert measured_state <= budget
     hub = _collective_bytes(build, _keras_hub_map(build, mesh), x, y)
-    assert report.train_step.operand_bytes() < hub.train_step.operand_bytes()
+    auto_bytes = report.train_step.operand_bytes()
+    hub_bytes = hub.train_step.operand_bytes()
+    if mesh.axis_size("model") > 1:
+        assert auto_bytes < hub_bytes
+    else:
+        assert auto_bytes <= hub_bytes
+
+
+def test_storage_cut_table_gathers_its_lookup_output_once():
+    """Gemma on 1x8 under the tight budget: the table is cut for storage only,
+    the plan pins the lookup's output, and the compiled step gathers that
+    output once (without the pin XLA carried the hidden cut into the residual
+    stream: 8 all-gathers of the activation and an all-reduce per norm)."""
+    mesh = MESHES[1]
+    build, x, y = _batch("gemma")
+    parameter_bytes = ka.plan(build, mesh, sample_input=x).total_bytes()
+    budget = int(1.05 * 3 * parameter_bytes / mesh.device_count)
+    tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+    assert tight.variable("token_embedding/embeddings").spec == (None, "model")
+    pinned = tight.activation("token_embedding/output")
+    assert pinned is not None and pinned.spec == (None, None, None)
+    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    activation_bytes = zoo.BATCH * zoo.SEQ * 256 * 4 // mesh.device_count
+    gathers = [
+        op
+        for op in report.train_step.collectives
+        if op.kind == "all-gather" and op.operand_bytes == activation_bytes
+    ]
+    assert len(gathers) == 1
+    unpinned = dataclasses.replace(tight, activations=())
+    before = _collective_bytes(build, PlanDistribution(unpinned), x, y)
+    assert report.train_step.operand_bytes() < before.train_step.operand_bytes()
