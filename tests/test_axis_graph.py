@@ -137,6 +137,28 @@ def test_column_row_mlp():
     assert frozenset((batch, hidden)) in graph.conflicts()
 
 
+def test_layer_outputs_are_read_from_the_name_scopes():
+    """Each call of a layer has one output tensor: the last one its name scope
+    produced; a layer called twice has two."""
+    shared = keras.layers.Dense(16, name="shared")
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, name="up")(shared(inputs))
+    outputs = shared(keras.layers.Dense(16, name="down")(hidden))
+    model = keras.Model(inputs, outputs)
+    graph = trace_model(model, jax.ShapeDtypeStruct((8, 16), "float32"))
+    (up_output,) = graph.layer_outputs("up")
+    assert graph.tensors[up_output].shape == (8, 32)
+    up_bias = graph.param("up/bias")
+    assert graph.tensors[up_output].dim_classes[1] == up_bias.dim_classes[0]
+    first, second = graph.layer_outputs("shared")
+    assert first != second
+    assert graph.tensors[first].shape == graph.tensors[second].shape == (8, 16)
+    (down_output,) = graph.layer_outputs("down")
+    # The second call of "shared" consumes "down"'s output, the first does not.
+    assert first < down_output < second
+    assert graph.layer_outputs("no_such_layer") == ()
+
+
 @pytest.fixture(scope="module")
 def gpt2_graph() -> AxisGraph:
     import keras_hub

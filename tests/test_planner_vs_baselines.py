@@ -179,19 +179,24 @@ def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh)
         assert auto_bytes <= hub_bytes
 
 
+def _tight_plan(name, mesh):
+    build, x, y = _batch(name)
+    parameter_bytes = ka.plan(build, mesh, sample_input=x).total_bytes()
+    budget = int(1.05 * 3 * parameter_bytes / mesh.device_count)
+    return build, x, y, ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+
+
 def test_storage_cut_table_gathers_its_lookup_output_once():
     """Gemma on 1x8 under the tight budget: the table is cut for storage only,
     the plan pins the lookup's output, and the compiled step gathers that
     output once (without the pin XLA carried the hidden cut into the residual
     stream: 8 all-gathers of the activation and an all-reduce per norm)."""
     mesh = MESHES[1]
-    build, x, y = _batch("gemma")
-    parameter_bytes = ka.plan(build, mesh, sample_input=x).total_bytes()
-    budget = int(1.05 * 3 * parameter_bytes / mesh.device_count)
-    tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+    build, x, y, tight = _tight_plan("gemma", mesh)
     assert tight.variable("token_embedding/embeddings").spec == (None, "model")
-    pinned = tight.activation("token_embedding/output")
-    assert pinned is not None and pinned.spec == (None, None, None)
+    assert [(a.path, a.spec) for a in tight.activations] == [
+        ("token_embedding/output", (None, None, None))
+    ]
     report = _collective_bytes(build, PlanDistribution(tight), x, y)
     activation_bytes = zoo.BATCH * zoo.SEQ * 256 * 4 // mesh.device_count
     gathers = [
@@ -203,3 +208,25 @@ def test_storage_cut_table_gathers_its_lookup_output_once():
     unpinned = dataclasses.replace(tight, activations=())
     before = _collective_bytes(build, PlanDistribution(unpinned), x, y)
     assert report.train_step.operand_bytes() < before.train_step.operand_bytes()
+
+
+def test_storage_cut_position_table_output_is_pinned_too():
+    """OPT on 1x8 under the tight budget: the token and the position table are
+    both cut for storage only; pinning only the lookup left the position
+    table's sequence cut in the residual stream (9 all-gathers of the
+    activation). With both outputs pinned the step moves fewer bytes."""
+    mesh = MESHES[1]
+    build, x, y, tight = _tight_plan("opt", mesh)
+    pinned = {a.path: a.spec for a in tight.activations}
+    assert pinned == {
+        "embeddings/token_embedding/output": (None, None, None),
+        "embeddings/position_embedding/output": (None, None, None),
+    }
+    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    lookup_only = tuple(
+        a for a in tight.activations if a.path == "embeddings/token_embedding/output"
+    )
+    for activations in ((), lookup_only):
+        other = dataclasses.replace(tight, activations=activations)
+        before = _collective_bytes(build, PlanDistribution(other), x, y)
+        assert report.train_step.operand_bytes() < before.train_step.operand_bytes()

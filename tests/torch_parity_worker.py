@@ -36,12 +36,10 @@ import torch  # noqa: E402
 
 from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.backends.torch.dtensor_layout import torch_device_mesh  # noqa: E402
-from keras_autoshard.backends.torch.planning import (  # noqa: E402
-    align_plan,
-    plan_for_torch,
-)
+from keras_autoshard.backends.torch.planning import plan_for_torch  # noqa: E402
 from keras_autoshard.backends.torch.process_group import ensure_process_group  # noqa: E402
 from keras_autoshard.backends.torch.sharded_model import TorchShardedModel  # noqa: E402
+from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 5

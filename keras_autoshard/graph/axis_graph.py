@@ -265,6 +265,8 @@ class AxisGraph:
             had no rule for; their dims were made unshardable.
         notes: Remarks a person should read (e.g. while loops with unknown
             trip counts).
+        scope_outputs: `(scope, tensor ids)`: for each name scope of the
+            trace (a Keras layer path), the output tensor of each call.
 
     Example:
 
@@ -282,6 +284,7 @@ class AxisGraph:
     slice_edges: tuple[SliceEdge, ...]
     unknown_primitives: tuple[tuple[str, int], ...]
     notes: tuple[str, ...] = ()
+    scope_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""
@@ -303,6 +306,20 @@ class AxisGraph:
             if tensor.kind == "param" and tensor.name == name:
                 return tensor
         raise KeyError(f"No param named {name!r} in the axis graph.")
+
+    def layer_outputs(self, layer_path: str) -> tuple[int, ...]:
+        """Ids of the output tensor of each call of the layer at `layer_path`.
+
+        Args:
+            layer_path: A Keras layer path such as `"decoder_block_0/attention"`.
+
+        Returns:
+            One tensor id per call, in call order (empty if never seen).
+        """
+        for scope, outputs in self.scope_outputs:
+            if scope == layer_path:
+                return outputs
+        return ()
 
     def class_of(self, tensor_id: int, dim: int) -> int | None:
         """Class id of dimension `dim` of tensor `tensor_id` (`None`: size 1)."""

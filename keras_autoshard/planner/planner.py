@@ -21,7 +21,6 @@ from keras_autoshard.planner.cost_model import (
     PlanCost,
     PlannerOptions,
     evaluate,
-    table_exchanges,
     tensor_axes,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
@@ -289,11 +288,11 @@ def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )
     batch_axis = _batch_axis(graph, assignment)
-    activations = _lookup_output_layouts(graph, assignment, pinned)
+    activations = _storage_cut_output_layouts(graph, assignment, pinned)
     pin_notes = [
-        f"{a.path} pinned to {a.spec}: its table is cut for storage only, so the "
-        "lookup's output is gathered once instead of carrying the table's cut "
-        "into every later layer."
+        f"{a.path} pinned to {a.spec}: the layer's parameters are cut for "
+        "storage only, so its output is laid out once instead of carrying "
+        "their cut into every later layer."
         for a in activations
     ]
     plan = ShardingPlan(
@@ -307,35 +306,35 @@ def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
     return plan
 
 
-def _lookup_output_layouts(
+def _storage_cut_output_layouts(
     graph: AxisGraph, assignment: Assignment, pinned
 ) -> tuple[ActivationLayout, ...]:
-    """Pin the output of each lookup whose table has a storage-only cut.
+    """Pin the output of each layer whose parameters are cut for storage only.
 
-    A table cut for storage only (FSDP) is meant to be gathered, the lookup's
-    output laid out like the rest of the activations. Without a constraint
-    the partitioner looks up in the local slice of the table instead and
-    carries that slice's layout (the hidden dim cut) into the residual
-    stream, paying an all-gather at every later use and an all-reduce in
-    every norm (measured on KerasHub Gemma on a 1x8 mesh: 8 all-gathers of
-    the activation instead of one). The layer that owns the table is the one
-    whose output Keras asks a layout for (`"<layer path>/output"`); a layer
-    called twice (a tied reverse projection) gets the same layout, which is
-    the plan's layout of its output too as long as none of the table's own
-    dims is cut by the computation (checked).
+    A parameter cut for storage only (FSDP) is meant to be gathered where it
+    is used, the layer's output laid out like the plan's activations. Where
+    the parameter is not a matmul operand (a lookup table, a position table
+    added to the activations) the partitioner instead computes on the local
+    slice and carries that slice's cut into the residual stream, paying an
+    all-gather at every later use and an all-reduce in every norm (measured
+    on KerasHub Gemma on a 1x8 mesh: 8 all-gathers of the activation instead
+    of one; OPT's position table did the same along the sequence). So the
+    output of the layer owning such a parameter gets the plan's layout of
+    that output, read from the trace (Keras asks `"<layer path>/output"`).
+    A layer called more than once (a tied reverse projection) is pinned only
+    when every call's output has the same rank and planned layout.
     """
     layouts = {}
-    for exchange in table_exchanges(graph):
-        table = graph.param(exchange.param)
-        if exchange.param in pinned or not assignment.fsdp.get(exchange.param):
+    for tensor in graph.params():
+        if tensor.name in pinned or not assignment.fsdp.get(tensor.name):
             continue
-        if any(c in assignment.class_axis for c in table.dim_classes if c is not None):
+        if any(c in assignment.class_axis for c in tensor.dim_classes if c is not None):
             continue
-        layer_path = exchange.param.rpartition("/")[0]
-        if not layer_path:
-            continue
-        output = graph.tensors[exchange.output]
-        layouts[f"{layer_path}/output"] = tensor_axes(output, assignment)
+        layer_path = tensor.name.rpartition("/")[0]
+        outputs = graph.layer_outputs(layer_path) if layer_path else ()
+        specs = {tensor_axes(graph.tensors[t], assignment) for t in outputs}
+        if len(specs) == 1:
+            layouts[f"{layer_path}/output"] = specs.pop()
     return tuple(ActivationLayout(path, spec) for path, spec in layouts.items())
 
 

@@ -190,6 +190,27 @@ class _GraphBuilder:
         self.view_of: dict[int, int] = {}
         # broadcast_in_dim result -> (operand, the result dims it broadcasts).
         self.broadcast_of: dict[int, tuple[int, frozenset[int]]] = {}
+        # Name scope (Keras layer path) -> the last tensor of each call.
+        self.scope_outputs: dict[str, list[int]] = {}
+        self._open_scopes: frozenset[str] = frozenset()
+
+    def record_scope(self, name_stack: str, outs: Sequence[int]) -> None:
+        """Note `outs` as the latest output of `name_stack` and its parents.
+
+        Keras enters a JAX name scope per layer call, named by the layer's
+        path, so the last top-level equation of a scope's run is the layer's
+        output for that call. A scope that was left and is entered again
+        (a layer called twice) starts a new call.
+        """
+        parts = [p for p in name_stack.split("/") if p]
+        scopes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        for scope in scopes:
+            calls = self.scope_outputs.setdefault(scope, [])
+            if scope in self._open_scopes and calls:
+                calls[-1] = outs[-1]
+            else:
+                calls.append(outs[-1])
+        self._open_scopes = frozenset(scopes)
 
     def new_tensor(
         self,
@@ -314,6 +335,9 @@ class _GraphBuilder:
             slice_edges=self._final_slice_edges(class_of),
             unknown_primitives=tuple(sorted(self.unknown.items())),
             notes=tuple(dict.fromkeys(self.notes)),
+            scope_outputs=tuple(
+                (scope, tuple(calls)) for scope, calls in self.scope_outputs.items()
+            ),
         )
 
     def _mark_repeated_classes(self) -> None:
@@ -492,6 +516,7 @@ class _Walker:
     def __init__(self, builder: _GraphBuilder) -> None:
         self.builder = builder
         self._warned: set[str] = set()
+        self._depth = 0
 
     def walk(
         self,
@@ -504,10 +529,16 @@ class _Walker:
         env: dict[Any, int] = {}
         env.update(zip(jaxpr.constvars, const_tids))
         env.update(zip(jaxpr.invars, in_tids))
-        for eqn in jaxpr.eqns:
-            ins = [self._read(env, atom) for atom in eqn.invars]
-            outs = self._apply(_Eqn(eqn, ins, multiplicity, self.builder, self))
-            env.update(zip(eqn.outvars, outs))
+        self._depth += 1
+        try:
+            for eqn in jaxpr.eqns:
+                ins = [self._read(env, atom) for atom in eqn.invars]
+                outs = self._apply(_Eqn(eqn, ins, multiplicity, self.builder, self))
+                env.update(zip(eqn.outvars, outs))
+                if self._depth == 1 and outs:
+                    self.builder.record_scope(str(eqn.source_info.name_stack), outs)
+        finally:
+            self._depth -= 1
         return [self._read(env, atom) for atom in jaxpr.outvars]
 
     def walk_closed(

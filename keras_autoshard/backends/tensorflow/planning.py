@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import keras
 from keras.src import tree
 
-from keras_autoshard.backends.torch.planning import (
+from keras_autoshard.planner.subprocess_planning import (
     plan_from_worker_result,
     planning_request,
     run_plan_worker,

@@ -1,7 +1,9 @@
-"""The JAX side of `plan_for_torch`: reads a request (JSON) on stdin, prints
+"""The JAX side of `subprocess_planning.run_plan_worker`.
+
+Reads a request (JSON) on stdin, prints
 `{"plan": ..., "paths": [...]}` or `{"error": ...}` as the last stdout line.
 
-Run as `python -m keras_autoshard.backends.torch.plan_worker` with
+Run as `python -m keras_autoshard.planner.plan_worker` with
 `KERAS_BACKEND=jax`; the parent sets the simulated device count.
 """
 
@@ -24,7 +26,7 @@ def _decode_inputs(encoded):
 
 
 def answer(request: dict) -> dict:
-    """Plan the serialised model of `request` (see `plan_for_torch`)."""
+    """Plan the serialised model of `request` (see `planning_request`)."""
     import keras
 
     from keras_autoshard.backends.jax.trace import build_abstract
