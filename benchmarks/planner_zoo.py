@@ -247,6 +247,12 @@ with a budget of 1.05 × (parameters + Adam moments) ÷ 8 per device; \
 *budget state/device* is its measured parameter + optimizer bytes per \
 device (from the arrays' addressable shards) against that budget, and the \
 second *÷ KerasHub map* compares its collective bytes to the KerasHub map. \
+Under the budget the planner pins the output of every layer whose \
+parameters it cuts for storage only (lookup and position tables), so XLA \
+gathers once instead of carrying the cut through the residual stream. On \
+the 8x1 mesh the budget leaves one plan, every matrix FSDP-cut over the \
+data axis and the table cut along its hidden dim, which is what KerasHub's \
+map writes there: the same collectives, byte for byte (1.00). \
 Step ratios divide the median `train_on_batch` wall time by the \
 single-device run in the same process; with 8 devices simulated on 2 CPU \
 cores they are noisy and not a forecast for accelerators."""
