@@ -154,17 +154,23 @@ def test_data_only_mesh_trades_the_embedding_gradient_all_reduce_as_estimated():
     assert compiled < result.plan.total_bytes()
 
 
+def _tight_plan(name, mesh):
+    """The plan for a budget of 1.05 × (parameters + Adam's two moments) ÷
+    devices, with the model's builder, batch and that budget."""
+    build, x, y = _batch(name)
+    parameter_bytes = ka.plan(build, mesh, sample_input=x).total_bytes()
+    budget = int(1.05 * 3 * parameter_bytes / mesh.device_count)
+    tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+    return build, x, y, tight, budget
+
+
 @pytest.mark.parametrize("name, mesh", KERAS_HUB_CASES, ids=str)
 def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh):
     """With 1.05 × (parameters + Adam) ÷ devices the plan fits (addressable
     shards) and moves fewer bytes than KerasHub's map; on the data-only 8x1
     mesh the budget leaves one plan, full FSDP, which is what KerasHub's map
     is there: equal bytes, not more."""
-    build, x, y = _batch(name)
-    free = plan_with_cost(build, mesh, sample_input=x)
-    parameter_bytes = free.plan.total_bytes()
-    budget = int(1.05 * (parameter_bytes + 2 * parameter_bytes) / mesh.device_count)
-    tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
+    build, x, y, tight, budget = _tight_plan(name, mesh)
     report = _collective_bytes(build, PlanDistribution(tight), x, y)
     measured_state = (
         report.parameter_bytes_per_device + report.optimizer_bytes_per_device
@@ -179,20 +185,13 @@ def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh)
         assert auto_bytes <= hub_bytes
 
 
-def _tight_plan(name, mesh):
-    build, x, y = _batch(name)
-    parameter_bytes = ka.plan(build, mesh, sample_input=x).total_bytes()
-    budget = int(1.05 * 3 * parameter_bytes / mesh.device_count)
-    return build, x, y, ka.plan(build, mesh, sample_input=x, memory_budget=budget)
-
-
 def test_storage_cut_table_gathers_its_lookup_output_once():
     """Gemma on 1x8 under the tight budget: the table is cut for storage only,
     the plan pins the lookup's output, and the compiled step gathers that
     output once (without the pin XLA carried the hidden cut into the residual
     stream: 8 all-gathers of the activation and an all-reduce per norm)."""
     mesh = MESHES[1]
-    build, x, y, tight = _tight_plan("gemma", mesh)
+    build, x, y, tight, _ = _tight_plan("gemma", mesh)
     assert tight.variable("token_embedding/embeddings").spec == (None, "model")
     assert [(a.path, a.spec) for a in tight.activations] == [
         ("token_embedding/output", (None, None, None))
@@ -216,7 +215,7 @@ def test_storage_cut_position_table_output_is_pinned_too():
     table's sequence cut in the residual stream (9 all-gathers of the
     activation). With both outputs pinned the step moves fewer bytes."""
     mesh = MESHES[1]
-    build, x, y, tight = _tight_plan("opt", mesh)
+    build, x, y, tight, _ = _tight_plan("opt", mesh)
     pinned = {a.path: a.spec for a in tight.activations}
     assert pinned == {
         "embeddings/token_embedding/output": (None, None, None),

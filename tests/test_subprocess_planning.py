@@ -1,6 +1,8 @@
 """The backend-neutral half of planning in a JAX subprocess: moving a plan made
 for a copy of the model onto the local model's paths."""
 
+import dataclasses
+
 import keras
 import numpy as np
 
@@ -21,10 +23,8 @@ def test_activation_layouts_follow_their_layer_to_the_local_path():
     planned = _embedder("planned")
     mesh = MeshSpec((1, 2), ("batch", "model"))
     plan = ka.plan(planned, mesh, np.zeros((4, 16), "int32"))
-    plan = type(plan)(
-        mesh=plan.mesh,
-        variables=plan.variables,
-        batch_axis=plan.batch_axis,
+    plan = dataclasses.replace(
+        plan,
         activations=(
             ActivationLayout("planned_table/output", (None, None, "model")),
             ActivationLayout("no_variables/output", ("batch", None, None)),

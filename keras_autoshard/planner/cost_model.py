@@ -194,6 +194,18 @@ class TableExchange:
         return removed - added
 
 
+def offers_table_exchanges(axes: tuple[MeshAxis, ...]) -> bool:
+    """Whether `TableExchange` applies on a mesh: one axis (> 1), a data axis."""
+    return len(axes) == 1 and axes[0].data_only
+
+
+def storage_cut_only(tensor: TensorNode, assignment: Assignment) -> bool:
+    """Whether `assignment` cuts `tensor` for storage (FSDP) and nothing else."""
+    if any(c is not None and c in assignment.class_axis for c in tensor.dim_classes):
+        return False
+    return bool(assignment.fsdp.get(tensor.name))
+
+
 def table_exchanges(graph: AxisGraph) -> list[TableExchange]:
     """Every lookup table of the graph with its output and gradient event."""
     events = graph.comm_events
@@ -205,10 +217,10 @@ def table_exchanges(graph: AxisGraph) -> list[TableExchange]:
     found = []
     for table in graph.params():
         gradient = backward_by_tensor.get(table.id, [])
+        if len(gradient) != 1:
+            continue
         for event in lookups:
             if len(event.classes) != 1 or event.classes[0] not in table.dim_classes:
-                continue
-            if len(gradient) != 1:
                 continue
             found.append(
                 TableExchange(
@@ -226,10 +238,9 @@ def table_exchange_applies(
     graph: AxisGraph, exchange: TableExchange, assignment: Assignment, axis: str
 ) -> bool:
     """Whether `assignment` makes the trade of `exchange` on `axis`."""
-    table = graph.param(exchange.param)
-    if any(c is not None and c in assignment.class_axis for c in table.dim_classes):
+    if not storage_cut_only(graph.param(exchange.param), assignment):
         return False
-    cuts = assignment.fsdp.get(exchange.param, ())
+    cuts = assignment.fsdp[exchange.param]
     # Only a table cut over this one axis, along a non-indexed dim (measured:
     # also cutting it over another axis brings the all-reduce back).
     hidden_cut = (
@@ -289,8 +300,7 @@ def evaluate(
         tensor = graph.param(name)
         for _, axis in dims:
             by_axis[axis] += local_bytes(tensor, assignment, sizes)
-    one_data_axis = len(axes) == 1 and axes[0].data_only
-    for exchange in table_exchanges(graph) if one_data_axis else ():
+    for exchange in table_exchanges(graph) if offers_table_exchanges(axes) else ():
         for axis, size in sizes.items():
             saving = exchange.saving_bytes(graph, size)
             if saving > 0 and table_exchange_applies(graph, exchange, assignment, axis):

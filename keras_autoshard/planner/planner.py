@@ -21,6 +21,7 @@ from keras_autoshard.planner.cost_model import (
     PlanCost,
     PlannerOptions,
     evaluate,
+    storage_cut_only,
     tensor_axes,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
@@ -326,9 +327,7 @@ def _storage_cut_output_layouts(
     """
     layouts = {}
     for tensor in graph.params():
-        if tensor.name in pinned or not assignment.fsdp.get(tensor.name):
-            continue
-        if any(c in assignment.class_axis for c in tensor.dim_classes if c is not None):
+        if tensor.name in pinned or not storage_cut_only(tensor, assignment):
             continue
         layer_path = tensor.name.rpartition("/")[0]
         outputs = graph.layer_outputs(layer_path) if layer_path else ()

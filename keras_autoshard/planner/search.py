@@ -25,6 +25,7 @@ from keras_autoshard.planner.cost_model import (
     PlannerOptions,
     contraction_flops,
     iteration_classes,
+    offers_table_exchanges,
     table_exchanges,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
@@ -267,8 +268,8 @@ class _Program:
     def add_table_exchanges(self) -> None:
         """Credit FSDP-cut, otherwise replicated lookup tables (see
         `cost_model.TableExchange`) with the gradient all-reduce they avoid."""
-        if len(self.axes) != 1 or not self.axes[0].data_only:
-            return  # see TableExchange: meshes with one data axis only
+        if not offers_table_exchanges(self.axes):
+            return
         for exchange in table_exchanges(self.graph):
             table = self.graph.param(exchange.param)
             event = self.graph.comm_events[exchange.gradient_event]

@@ -14,7 +14,9 @@ store).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,7 +31,6 @@ from keras_autoshard.plans.sharding_plan import (
     MeshSpec,
     PlanError,
     ShardingPlan,
-    VariableSharding,
     unique_variables,
 )
 
@@ -86,9 +87,8 @@ def plan_from_worker_result(result: dict[str, Any], model: keras.Model) -> Shard
 def run_plan_worker(request: dict[str, Any]) -> dict[str, Any]:
     """Run the planner in a JAX subprocess; its answer or an error message."""
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={int(_prod(request['mesh']['shape']))}"
-    )
+    device_count = math.prod(request["mesh"]["shape"])
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={device_count}"
     env["JAX_PLATFORMS"] = "cpu"
     try:
         completed = subprocess.run(
@@ -144,22 +144,11 @@ def align_plan(
                 f"its planned counterpart {planned_path!r} has {entry.shape}: the "
                 "models differ. Plan it under JAX and pass the plan explicitly."
             )
-        renamed.append(
-            VariableSharding(
-                variable.path,
-                entry.shape,
-                entry.dtype,
-                entry.spec,
-                entry.roles,
-                entry.reason,
-            )
-        )
-    return ShardingPlan(
-        mesh=plan.mesh,
+        renamed.append(dataclasses.replace(entry, path=variable.path))
+    return dataclasses.replace(
+        plan,
         variables=tuple(renamed),
-        batch_axis=plan.batch_axis,
         activations=_renamed_activations(plan, planned_paths, local),
-        notes=plan.notes,
     )
 
 
@@ -219,10 +208,3 @@ def _layer_modules(model: keras.Model) -> set[str]:
         if not module.startswith(("keras.", "keras_hub.", "__main__")):
             modules.add(module)
     return modules
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
