@@ -45,7 +45,7 @@ MiB = 2**20
 def _setup_jax() -> None:
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from keras_autoshard.devices import simulate_devices
+    from keras_autoshard.runtime.devices import simulate_devices
 
     simulate_devices(DEVICE_COUNT)
 

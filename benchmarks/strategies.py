@@ -16,6 +16,7 @@ from collections.abc import Callable
 import keras
 from keras.src.distribution.distribution_lib import Distribution
 
+from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import (
     AutoShardDistribution,
     MeshSpec,
@@ -25,7 +26,6 @@ from keras_autoshard import (
     names_replayed_after,
     plan_from_rules,
 )
-from keras_autoshard.plans.reference_rules import keras_hub_megatron_plan
 
 DATA_AXIS = "batch"
 MODEL_AXIS = "model"

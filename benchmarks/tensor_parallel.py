@@ -22,7 +22,7 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from keras_autoshard.devices import simulate_devices  # noqa: E402
+from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
 
 DEVICE_COUNT = 8
 simulate_devices(DEVICE_COUNT)

@@ -108,10 +108,10 @@ def main():
     import torch.distributed as dist
 
     from keras_autoshard import MeshSpec
-    from keras_autoshard.backends.torch.dtensor_layout import torch_device_mesh
-    from keras_autoshard.backends.torch.planning import plan_for_torch
-    from keras_autoshard.backends.torch.process_group import ensure_process_group
-    from keras_autoshard.backends.torch.sharded_model import TorchShardedModel
+    from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
+    from keras_autoshard.apply.torch.planning import plan_for_torch
+    from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
+    from keras_autoshard.runtime.torch_processes import ensure_process_group
 
     ensure_process_group()
     shape = tuple(int(s) for s in mesh_text.split("x"))

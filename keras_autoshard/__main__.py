@@ -2,6 +2,6 @@
 
 import sys
 
-from keras_autoshard.cli import main
+from keras_autoshard.cli.main import main
 
 sys.exit(main())

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from keras_autoshard.collectives import (  # noqa: E402
+from keras_autoshard.runtime.collectives import (  # noqa: E402
     CollectiveError,
     all_gather,
     all_reduce,

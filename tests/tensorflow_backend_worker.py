@@ -85,10 +85,10 @@ def main(devices, out_path):
     import keras
 
     import keras_autoshard as ka
-    from keras_autoshard.backends.tensorflow.data_parallel import (
+    from keras_autoshard.apply.tensorflow.data_parallel import (
         check_data_parallel_plan,
     )
-    from keras_autoshard.backends.tensorflow.planning import plan_for_tensorflow
+    from keras_autoshard.apply.tensorflow.planning import plan_for_tensorflow
 
     result = {"devices": keras.distribution.list_devices(), "models": {}}
     for name in MODELS:

@@ -13,13 +13,13 @@ import pytest
 from jax import lax
 from jax.extend.core import Primitive
 
-from keras_autoshard.backends.jax.jaxpr_axes import build_axis_graph
 from keras_autoshard.graph.axis_graph import (
     AxisGraph,
     DimSizeMismatchError,
     TensorNode,
     UnionFind,
 )
+from keras_autoshard.graph.builder import build_axis_graph
 
 BATCH, SEQ = 2, 16
 

@@ -272,7 +272,7 @@ def test_bench_runs_a_quick_benchmark_and_rewrites_only_its_section(tmp_path):
     ],
 )
 def test_memory_budget_sizes_parse_with_binary_and_decimal_units(text, expected):
-    from keras_autoshard.cli_models import parse_byte_size
+    from keras_autoshard.cli.model_sources import parse_byte_size
 
     assert parse_byte_size(text) == expected
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from keras_autoshard.cluster import (
+from keras_autoshard.runtime.cluster import (
     ClusterError,
     ClusterSpec,
     first_slurm_host,

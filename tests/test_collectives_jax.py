@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from keras_autoshard.collectives import (
+from keras_autoshard.runtime.collectives import (
     CollectiveError,
     all_gather,
     all_reduce,

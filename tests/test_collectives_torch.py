@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from keras_autoshard.collectives import (  # noqa: E402
+from keras_autoshard.runtime.collectives import (  # noqa: E402
     CollectiveError,
     all_gather,
     all_reduce,
@@ -136,7 +136,7 @@ def test_without_process_group_raises_and_says_how_to_start_one(name):
 
 def test_importing_collectives_imports_neither_torch_nor_jax():
     code = (
-        "import sys, keras_autoshard.collectives\n"
+        "import sys, keras_autoshard.runtime.collectives\n"
         "loaded = {'torch', 'jax'} & set(sys.modules)\n"
         "assert not loaded, loaded\n"
     )

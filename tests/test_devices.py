@@ -50,7 +50,7 @@ def test_simulate_devices_in_this_process_is_a_no_op_when_enough_devices():
 
 
 def test_simulate_devices_replaces_an_existing_count_flag(monkeypatch):
-    from keras_autoshard import devices
+    from keras_autoshard.runtime import devices
 
     monkeypatch.setattr(devices, "_running_jax_device_count", lambda: None)
     monkeypatch.setenv(

@@ -1,4 +1,4 @@
-"""Tests for `keras_autoshard.report.hlo_collectives`.
+"""Tests for `keras_autoshard.report.hlo.collectives`.
 
 Real programs are compiled for 8 simulated CPU devices and their collectives
 are checked against numbers derived by hand from the shapes; hand-written HLO
@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from keras_autoshard.report.hlo_collectives import (  # noqa: E402
+from keras_autoshard.report.hlo.collectives import (  # noqa: E402
     CollectiveOp,
     parse_collectives,
     summarize_collectives,

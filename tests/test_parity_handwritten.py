@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import MeshSpec, PlanDistribution, names_replayed_after
-from keras_autoshard.plans.reference_rules import keras_hub_megatron_plan
 from keras_autoshard.plans.rules import plan_from_rules
 from tests import models
 from tests.parity import check_parity

@@ -69,7 +69,7 @@ def test_tied_embedding_has_one_plan_for_lookup_and_projection():
 def test_a_valid_plan_is_found_for_every_model_and_mesh(name, mesh):
     plan = _plan(name, mesh)
     build, _ = zoo.ZOO[name]
-    from keras_autoshard.backends.jax.trace import build_abstract
+    from keras_autoshard.trace.tracer import build_abstract
 
     plan.validate(build_abstract(build))
     if mesh.shape[0] > 1:
@@ -77,7 +77,7 @@ def test_a_valid_plan_is_found_for_every_model_and_mesh(name, mesh):
 
 
 def test_planning_allocates_no_weights():
-    from keras_autoshard.backends.jax.trace import build_abstract
+    from keras_autoshard.trace.tracer import build_abstract
 
     model = build_abstract(zoo.llama)
     ka.plan(model, MESH_2x4, sample_input=zoo.token_inputs(1024))
@@ -144,7 +144,7 @@ def test_auto_plan_matches_single_device_after_5_adam_steps(name, mesh):
 
 
 def _output_shape(build, x):
-    from keras_autoshard.backends.jax.trace import build_abstract, trace_model
+    from keras_autoshard.trace.tracer import build_abstract, trace_model
 
     traced = trace_model(build_abstract(build), x)
     return tuple(traced.closed_jaxpr.out_avals[0].shape)

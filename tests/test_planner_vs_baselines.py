@@ -7,6 +7,7 @@ import keras
 import pytest
 
 import keras_autoshard as ka
+from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
@@ -16,7 +17,6 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.planner.planner import plan_with_cost
-from keras_autoshard.plans.reference_rules import keras_hub_megatron_plan
 from tests import zoo
 
 MESHES = [

@@ -16,11 +16,11 @@ pytest.importorskip("torch")
 
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard import MeshSpec, PlanError  # noqa: E402
-from keras_autoshard.backends.torch.process_group import (  # noqa: E402
+from keras_autoshard.planner.remote import align_plan  # noqa: E402
+from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     TorchSetupError,
     ensure_process_group,
 )
-from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
 from tests import torch_parity_worker as worker  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -35,11 +35,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from keras_autoshard import MeshSpec  # noqa: E402
-from keras_autoshard.backends.torch.dtensor_layout import torch_device_mesh  # noqa: E402
-from keras_autoshard.backends.torch.planning import plan_for_torch  # noqa: E402
-from keras_autoshard.backends.torch.process_group import ensure_process_group  # noqa: E402
-from keras_autoshard.backends.torch.sharded_model import TorchShardedModel  # noqa: E402
-from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
+from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh  # noqa: E402
+from keras_autoshard.apply.torch.planning import plan_for_torch  # noqa: E402
+from keras_autoshard.apply.torch.sharded_model import TorchShardedModel  # noqa: E402
+from keras_autoshard.planner.remote import align_plan  # noqa: E402
+from keras_autoshard.runtime.torch_processes import ensure_process_group  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 5
@@ -233,7 +233,7 @@ def restore_from_torch_checkpoint(sharded, name, device_mesh, directory):
     saved ones before loading (large, so a load that did nothing shows)."""
     import torch.distributed.checkpoint as dcp
 
-    from keras_autoshard.backends.torch.sharded_state import shard_optimizer_variables
+    from keras_autoshard.apply.torch.sharded_state import shard_optimizer_variables
 
     dcp.save(torch_state(sharded), checkpoint_id=directory)
     fresh = build(name, seed=1)

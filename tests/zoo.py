@@ -219,7 +219,7 @@ def random_targets(build, x, seed=1):
     """Random regression targets shaped like the model's outputs (any tree)."""
     import jax
 
-    from keras_autoshard.backends.jax.trace import build_abstract, shape_structs
+    from keras_autoshard.trace.tracer import build_abstract, shape_structs
 
     model = build_abstract(build)
     trainable = shape_structs([v for v in model.trainable_variables])

@@ -12,15 +12,11 @@ from collections.abc import Sequence
 
 import keras
 
+from keras_autoshard.errors import TensorParallelError  # noqa: F401
+from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.sharding_plan import MeshSpec
 
-DATA_AXIS = "batch"
-MODEL_AXIS = "model"
 BACKENDS = ("auto", "jax", "torch", "tensorflow")
-
-
-class TensorParallelError(ValueError):
-    """`TensorParallel` cannot do what was asked; the message says what to do."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from keras.src.saving import saving_lib
 
-from keras_autoshard.checkpoint.errors import CheckpointError
+from keras_autoshard.errors import CheckpointError
 
 OPTIMIZER_GROUP = "optimizer"
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from keras_autoshard.checkpoint.errors import CheckpointError
+from keras_autoshard.errors import CheckpointError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -226,8 +226,8 @@ def save_checkpoint(
 
 def _show_save_progress(pending: PendingSave, state_tree: Mapping) -> None:
     """Poll the step's folder until the save is done, as a bar of bytes."""
-    from keras_autoshard.backends.jax.sharded_arrays import local_shard_bytes
     from keras_autoshard.progress import progress_bar
+    from keras_autoshard.runtime.sharded_arrays import local_shard_bytes
 
     expected = sum(local_shard_bytes(v) for v in _flatten(state_tree).values())
     mib = 2**20
@@ -363,7 +363,7 @@ def restore_checkpoint(
     """
     from keras.src.utils.module_utils import ocp
 
-    from keras_autoshard.backends.jax.sharded_arrays import abstract_like
+    from keras_autoshard.runtime.sharded_arrays import abstract_like
 
     directory = os.fspath(directory)
     step = latest_step(directory) if step is None else step

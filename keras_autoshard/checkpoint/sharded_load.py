@@ -42,7 +42,6 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
-from keras_autoshard.checkpoint.errors import CheckpointError
 from keras_autoshard.checkpoint.keras_layout import OPTIMIZER_GROUP, keras_h5_keys
 from keras_autoshard.checkpoint.tensor_files import (
     H5TensorFile,
@@ -52,6 +51,7 @@ from keras_autoshard.checkpoint.tensor_files import (
     TensorFile,
     numpy_dtype,
 )
+from keras_autoshard.errors import CheckpointError
 from keras_autoshard.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ def _owner(files: list[TensorFile], tensor: StoredTensor) -> TensorFile:
 
 
 def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
-    from keras_autoshard.backends.jax.sharded_arrays import (
+    from keras_autoshard.runtime.sharded_arrays import (
         assemble_from_slices,
         release_value,
         variable_sharding,

@@ -16,7 +16,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 
-from keras_autoshard.checkpoint.errors import CheckpointError
+from keras_autoshard.errors import CheckpointError
 
 # One `slice` with concrete bounds per dimension.
 SliceIndex = tuple[slice, ...]

@@ -12,7 +12,7 @@ the communication that sharding a class on a mesh axis implies:
   merge, a slice, a repeat), at the price of a backward all-reduce.
 
 This module is plain data and does not import any backend; the JAX walker that
-fills it lives in `keras_autoshard.backends.jax.jaxpr_axes`.
+fills it lives in `keras_autoshard.graph.builder`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
+from keras_autoshard.errors import DimSizeMismatchError  # noqa: F401
+
 TENSOR_KINDS = ("param", "state", "input", "activation", "constant")
 EVENT_KINDS = ("contract", "reduce", "gather", "broadcast_grad")
 PHASES = ("forward", "backward")
-
-
-class DimSizeMismatchError(ValueError):
-    """Raised when two dimensions of different sizes are asked to be one axis."""
 
 
 class UnionFind:

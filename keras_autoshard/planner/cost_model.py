@@ -22,8 +22,8 @@ import math
 from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES
 
-DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
 MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
 
 

@@ -8,11 +8,9 @@ import logging
 import numpy as np
 from scipy import optimize, sparse
 
+from keras_autoshard.errors import InfeasibleError  # noqa: F401
+
 logger = logging.getLogger(__name__)
-
-
-class InfeasibleError(RuntimeError):
-    """The program has no solution (for a plan: nothing fits the budget)."""
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ from keras_autoshard.planner.cost_model import (
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins, search
+from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
@@ -40,8 +41,6 @@ from keras_autoshard.plans.validation import validate_plan_structure
 from keras_autoshard.progress import progress_bar
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_AXIS_NAMES = ("batch", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +120,8 @@ def plan_with_cost(
     progress: bool = False,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
-    from keras_autoshard.backends.jax.jaxpr_axes import build_axis_graph
-    from keras_autoshard.backends.jax.trace import build_abstract, trace_model
+    from keras_autoshard.graph.builder import build_axis_graph
+    from keras_autoshard.trace.tracer import build_abstract, trace_model
 
     start = time.perf_counter()
     if sample_input is None:

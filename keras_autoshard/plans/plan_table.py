@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from keras_autoshard.plans.sharding_plan import ShardingPlan
+if TYPE_CHECKING:
+    from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
 def format_bytes(num_bytes: float) -> str:

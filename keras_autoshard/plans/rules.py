@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from keras_autoshard.plans.mesh import Spec
 from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
     MeshSpec,
@@ -13,8 +14,6 @@ from keras_autoshard.plans.sharding_plan import (
     VariableSharding,
 )
 from keras_autoshard.plans.validation import validate_plan_structure
-
-Spec = Sequence[str | None]
 
 
 def match_rules(

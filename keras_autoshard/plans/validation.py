@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from keras_autoshard.plans.sharding_plan import (
-    MeshSpec,
-    PlanError,
-    ShardingPlan,
-    VariableSharding,
-)
+from keras_autoshard.errors import PlanError
+from keras_autoshard.plans.layouts import VariableSharding
+from keras_autoshard.plans.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
 def spec_problems(

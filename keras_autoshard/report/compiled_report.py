@@ -1,7 +1,6 @@
 """`CompiledReport`: per-device bytes and collectives of compiled steps.
 
-Plain data filled in by a backend (see `keras_autoshard.backends.jax.
-compiled_program`): variable shard sizes are read from the arrays' addressable
+Plain data filled in by `report/compiled_program.py`: variable shard sizes are read from the arrays' addressable
 shards, collectives from the optimized HLO, memory from XLA's analysis.
 """
 
@@ -18,7 +17,7 @@ from rich.table import Table
 
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec
-from keras_autoshard.report.hlo_collectives import CollectiveOp, summarize_collectives
+from keras_autoshard.report.hlo.collectives import CollectiveOp, summarize_collectives
 
 
 @dataclasses.dataclass(frozen=True)

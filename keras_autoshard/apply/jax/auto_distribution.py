@@ -1,0 +1,366 @@
+"""`AutoShardDistribution`: a Keras distribution that plans itself.
+
+Variables created under its scope before a plan exists get a provisional
+sharded layout (their largest divisible dimension cut over the largest mesh
+axis), so no full copy of a large model is kept on every device. When the
+model's input shapes are known (the first batch of `fit`, `evaluate`,
+`predict`, `train_on_batch`, or an explicit `prepare(model, sample_input)`),
+it plans from the model's graph and re-lays every variable out onto the plan,
+shard to shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+
+import keras
+from keras.distribution import TensorLayout
+from keras.src.distribution.distribution_lib import Distribution
+from keras.src.trainers import trainer as keras_trainer
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_autoshard.apply.common import first_batch, slot_owner, slot_prefix
+from keras_autoshard.apply.jax.device_mesh import default_mesh_shape, make_device_mesh
+from keras_autoshard.apply.jax.plan_distribution import (
+    PlanDistribution,
+    require_jax_backend,
+)
+from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+from keras_autoshard.plans.rules import Spec
+from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
+
+logger = logging.getLogger(__name__)
+
+
+class AutoShardDistribution(Distribution):
+    """Shard a Keras model automatically: plan from its graph, then apply.
+
+    Args:
+        device_mesh: A `keras.distribution.DeviceMesh` (or `MeshSpec`). When
+            `None`, the planner picks a (data, model) mesh shape over all
+            devices by cost.
+        memory_budget: Per-device bytes for parameters and optimizer state;
+            `None` means no limit.
+        rules: Regular expression on variable path → spec, pinned; the
+            planner fills in the rest.
+        sample_input: A batch (or `jax.ShapeDtypeStruct`s) to plan with;
+            otherwise the first batch the model sees is used.
+        auto_shard_dataset: As in `keras.distribution.Distribution`.
+
+    Example:
+
+    ```python
+    dist = keras_autoshard.AutoShardDistribution()
+    with dist.scope():
+        model = keras_hub.models.GPT2Backbone(**config)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x, y, batch_size=8)      # plans on the first batch
+    print(dist.plan.explain())
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if keras.backend.backend() == "tensorflow":
+            # Data parallelism through tf.distribute; see docs/tensorflow.md.
+            from keras_autoshard.apply.tensorflow.data_parallel import (
+                TensorFlowAutoShardDistribution,
+            )
+
+            return TensorFlowAutoShardDistribution(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        device_mesh=None,
+        memory_budget: int | None = None,
+        rules: Mapping[str, Spec] | None = None,
+        sample_input=None,
+        auto_shard_dataset: bool = True,
+    ):
+        require_jax_backend("AutoShardDistribution")
+        self._requested_mesh = _as_mesh_spec(device_mesh)
+        devices = keras.distribution.list_devices()
+        provisional = self._requested_mesh or MeshSpec(
+            (1, len(devices)), ("batch", "model")
+        )
+        keras_mesh = (
+            device_mesh
+            if isinstance(device_mesh, keras.distribution.DeviceMesh)
+            else make_device_mesh(provisional)
+        )
+        super().__init__(keras_mesh, None, auto_shard_dataset)
+        self._memory_budget = memory_budget
+        self._rules = dict(rules) if rules else None
+        self._sample_input = sample_input
+        self._applied: PlanDistribution | None = None
+        self._planned_models: set[int] = set()
+        self._plans_shared = 0
+
+    # ------------------------------------------------------------- the plan
+    @property
+    def plan(self) -> ShardingPlan:
+        """The applied plan; `PlanError` before the model has been planned."""
+        if self._applied is None:
+            raise PlanError(
+                "No plan yet: it is made when the model first sees a batch "
+                "(fit/evaluate/predict/train_on_batch) or on prepare(model, x)."
+            )
+        return self._applied.plan
+
+    @property
+    def is_planned(self) -> bool:
+        """Whether a plan has been made and applied."""
+        return self._applied is not None
+
+    def prepare(self, model: keras.Model, sample_input=None) -> ShardingPlan:
+        """Plan `model` now and move its variables onto the plan.
+
+        Args:
+            model: A built model created under this distribution's scope.
+            sample_input: One global batch of inputs (or their shapes).
+
+        Returns:
+            The `ShardingPlan` now applied.
+        """
+        from keras_autoshard.planner.planner import plan as make_plan
+
+        sample_input = sample_input if sample_input is not None else self._sample_input
+        if sample_input is None:
+            raise PlanError("prepare() needs sample_input (one batch of inputs).")
+        if multi_process():
+            plan = self._plan_across_processes(model, sample_input)
+        else:
+            plan = make_plan(
+                model,
+                device_mesh=self._requested_mesh,
+                sample_input=sample_input,
+                memory_budget=self._memory_budget,
+                rules=self._rules,
+            )
+        self._apply(plan, model)
+        self._planned_models.add(id(model))
+        return plan
+
+    def _plan_across_processes(self, model, local_sample) -> ShardingPlan:
+        """Process 0 plans for the global batch; every process applies its plan.
+
+        Each process sees only its rows of a batch; the plan is made for the
+        global batch those rows are part of, on a mesh whose model axis stays
+        within a process (tensor parallelism inside a host, data parallelism
+        across hosts) unless a mesh was given.
+        """
+        from keras_autoshard.runtime import jax_processes as multiprocess
+        from keras_autoshard.planner.planner import plan as make_plan
+
+        mesh = self._requested_mesh or MeshSpec(
+            default_mesh_shape(
+                len(keras.distribution.list_devices()),
+                math.gcd(multiprocess.local_device_count(), 8),
+            ),
+            ("batch", "model"),
+        )
+        data_axes = [name for name in mesh.axis_names if name in DATA_AXIS_NAMES]
+        batch_axis = data_axes[0] if data_axes else None
+        shares, _ = multiprocess.batch_share(
+            make_device_mesh(mesh).backend_mesh.devices, mesh.axis_names, batch_axis
+        )
+        plan_json = None
+        if multiprocess.process_index() == 0:
+            global_sample = multiprocess.global_batch_shapes(local_sample, shares)
+            plan_json = make_plan(
+                model,
+                device_mesh=mesh,
+                sample_input=global_sample,
+                memory_budget=self._memory_budget,
+                rules=self._rules,
+            ).to_json()
+        self._plans_shared += 1
+        shared = multiprocess.share_text_from_process_0(
+            f"{self._plans_shared}", plan_json
+        )
+        plan = ShardingPlan.from_json(shared)
+        if shares > 1 and plan.batch_axis != batch_axis:
+            raise PlanError(
+                f"The plan splits the batch over {plan.batch_axis!r}, but each "
+                f"process loads its rows of the batch as split over {batch_axis!r} "
+                f"(mesh {mesh.describe()}). Name the data axis of the mesh first."
+            )
+        return plan
+
+    def _apply(self, plan: ShardingPlan, model: keras.Model) -> None:
+        device_mesh = (
+            self.device_mesh
+            if tuple(self.device_mesh.shape) == plan.mesh.shape
+            and tuple(self.device_mesh.axis_names) == plan.mesh.axis_names
+            else make_device_mesh(plan.mesh)
+        )
+        applied = PlanDistribution(plan, device_mesh)
+        plan.validate(model)
+        self._device_mesh = device_mesh
+        self._batch_dim_name = plan.batch_axis
+        self._applied = applied
+        relayout_model(model, applied)
+
+    # ------------------------------------------------- Distribution protocol
+    @property
+    def num_model_replicas(self) -> int:
+        if self._applied is not None:
+            return self._applied.num_model_replicas
+        # Before the plan (when Keras shards a tf.data pipeline per process),
+        # the batch will be split over the mesh's first data axis.
+        sizes = dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
+        data_axes = [name for name in sizes if name in DATA_AXIS_NAMES]
+        return sizes[data_axes[0]] if data_axes else 1
+
+    def get_data_layout(self, data_shape) -> TensorLayout:
+        if self._applied is None:
+            # Only the batch that the plan is made from arrives before a plan.
+            return TensorLayout([None] * len(data_shape), self.device_mesh)
+        return self._applied.get_data_layout(data_shape)
+
+    def get_variable_layout(self, variable) -> TensorLayout:
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        if self._applied is not None and self._applied.plan.get(variable.path):
+            return self._applied.get_variable_layout(variable)
+        return provisional_layout(variable.shape, self.device_mesh)
+
+    def get_tensor_layout(self, path: str) -> TensorLayout | None:
+        return None if self._applied is None else self._applied.get_tensor_layout(path)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this distribution current; plan models on their first batch."""
+        original = keras_trainer.Trainer._symbolic_build
+        distribution = self
+
+        def symbolic_build(model, iterator=None, data_batch=None):
+            if id(model) in distribution._planned_models:
+                return original(model, iterator=iterator, data_batch=data_batch)
+            if data_batch is None:
+                data_batch = first_batch(iterator)
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data_batch)
+            if model.built:
+                distribution.prepare(model, x)
+                return original(model, data_batch=data_batch)
+            result = original(model, data_batch=data_batch)
+            distribution.prepare(model, x)
+            return result
+
+        def plan_before(method, x_is_one_batch=False):
+            def planned_first(model, x, *args, **kwargs):
+                if id(model) not in distribution._planned_models:
+                    sample = (
+                        x
+                        if x_is_one_batch
+                        else _first_predict_batch(
+                            x, kwargs.get("batch_size", args[0] if args else None)
+                        )
+                    )
+                    if not model.built:
+                        with keras.StatelessScope():
+                            model(sample)
+                    distribution.prepare(model, sample)
+                return method(model, x, *args, **kwargs)
+
+            return planned_first
+
+        from keras.src.backend.jax.trainer import JAXTrainer
+
+        patched = {
+            (keras_trainer.Trainer, "_symbolic_build"): symbolic_build,
+            (JAXTrainer, "predict"): plan_before(JAXTrainer.predict),
+            (JAXTrainer, "predict_on_batch"): plan_before(
+                JAXTrainer.predict_on_batch, x_is_one_batch=True
+            ),
+        }
+        originals = {key: getattr(*key) for key in patched}
+        for (owner, name), replacement in patched.items():
+            setattr(owner, name, replacement)
+        try:
+            with super().scope():
+                yield
+        finally:
+            for (owner, name), method in originals.items():
+                setattr(owner, name, method)
+
+
+def multi_process() -> bool:
+    """Whether this job runs on several processes (JAX's count)."""
+    from keras_autoshard.runtime.jax_processes import process_count
+
+    return process_count() > 1
+
+
+def provisional_layout(shape, device_mesh) -> TensorLayout:
+    """Cut the largest dimension the largest mesh axis divides (else replicate)."""
+    sizes = dict(zip(device_mesh.axis_names, device_mesh.shape))
+    axis = max(sizes, key=sizes.get)
+    spec = [None] * len(shape)
+    candidates = [
+        (int(size), -dim)
+        for dim, size in enumerate(shape)
+        if size is not None and int(size) % sizes[axis] == 0 and int(size) > 1
+    ]
+    if candidates and sizes[axis] > 1:
+        spec[-max(candidates)[1]] = axis
+    return TensorLayout(spec, device_mesh)
+
+
+def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
+    """Move every model and optimizer variable onto the plan's layouts.
+
+    Each array goes from its current sharding to the planned one device to
+    device (`jax.device_put` between shardings); no full copy is assembled.
+    Optimizer slots follow their parameter; other optimizer and metric
+    variables are replicated.
+    """
+    mesh = distribution.device_mesh
+    by_slot_prefix = {}
+    seen = set()
+    for variable in model.variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        layout = TensorLayout(
+            list(distribution.plan.variable(variable.path).spec), mesh
+        )
+        move_variable(variable, layout)
+        by_slot_prefix[slot_prefix(variable.path)] = (variable, layout)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        for slot in optimizer.variables:
+            reference = slot_owner(slot, by_slot_prefix)
+            if reference is None:
+                move_variable(slot, TensorLayout([None] * len(slot.shape), mesh))
+            else:
+                move_variable(slot, reference[1])
+    for variable in getattr(model, "metrics_variables", []):
+        move_variable(variable, TensorLayout([None] * len(variable.shape), mesh))
+
+
+def move_variable(variable, layout: TensorLayout) -> None:
+    variable._layout = layout
+    if variable._value is not None:
+        variable._direct_assign(variable._value)
+
+
+def _first_predict_batch(x, batch_size):
+    """The first batch `predict(x, batch_size)` will see, as Keras slices it."""
+    from keras.src.backend.jax.trainer import JAXEpochIterator
+
+    iterator = JAXEpochIterator(x=x, batch_size=batch_size, shuffle=False)
+    batch = first_batch(iterator)
+    sample, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+    return sample
+
+
+def _as_mesh_spec(device_mesh) -> MeshSpec | None:
+    if device_mesh is None:
+        return None
+    if isinstance(device_mesh, MeshSpec):
+        return device_mesh
+    return MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))

@@ -1,0 +1,70 @@
+"""From plan specs to DTensor placements on a torch `DeviceMesh`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from keras_autoshard.plans.sharding_plan import MeshSpec
+from keras_autoshard.runtime.torch_processes import (
+    TorchSetupError,
+    device_type,
+    ensure_process_group,
+)
+
+
+def torch_device_mesh(mesh: MeshSpec):
+    """A torch `DeviceMesh` with the plan's shape and axis names.
+
+    Args:
+        mesh: The plan's mesh; its size must equal the number of ranks.
+
+    Returns:
+        `torch.distributed.device_mesh.DeviceMesh`, ranks in row-major order
+        (the same device order as the JAX mesh of the same shape).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ensure_process_group()
+    world = dist.get_world_size()
+    if mesh.device_count != world:
+        raise TorchSetupError(
+            f"Mesh {mesh.describe()} needs {mesh.device_count} ranks but "
+            f"torchrun started {world}. Launch with --nproc-per-node "
+            f"{mesh.device_count} (times the number of nodes), or plan for a "
+            "mesh of that size."
+        )
+    return init_device_mesh(
+        device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names)
+    )
+
+
+def placements_for(spec: Sequence[str | None], mesh: MeshSpec) -> list:
+    """DTensor placements for a plan spec: one per mesh axis.
+
+    Args:
+        spec: One mesh axis name or `None` per tensor dimension.
+        mesh: The mesh.
+
+    Returns:
+        `Shard(dim)` for the mesh axes the spec uses, `Replicate()` otherwise.
+
+    Example:
+
+    ```python
+    placements_for((None, "model"), MeshSpec((2, 4), ("batch", "model")))
+    # [Replicate(), Shard(dim=1)]
+    ```
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = []
+    for axis in mesh.axis_names:
+        dims = [dim for dim, name in enumerate(spec) if name == axis]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    return placements
+
+
+def batch_placements(mesh: MeshSpec, batch_axis: str | None) -> list:
+    """Placements of an input batch: split on `batch_axis`, else replicated."""
+    return placements_for((batch_axis,) if batch_axis else (), mesh)

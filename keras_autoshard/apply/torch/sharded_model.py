@@ -1,0 +1,144 @@
+"""A Keras model (torch backend) whose variables are DTensor shards.
+
+Each rank feeds its own slice of the global batch (split over the plan's
+batch axis; ranks along the other axes feed the same slice). Inputs enter as
+DTensors sharded on the batch axis; outputs leave as plain tensors of the
+global batch, identical on every rank, and targets are gathered the same way,
+so the loss is the global-batch loss on every rank. DTensor's autograd then
+all-reduces replicated parameters' gradients over the data axis and inserts
+the Megatron all-reduces over the model axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+from keras.src import tree
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_autoshard.apply.torch.dtensor_layout import batch_placements
+from keras_autoshard.apply.torch.sharded_state import (
+    RankStateBytes,
+    rank_state_bytes,
+    shard_model_variables,
+    shard_optimizer_variables,
+)
+from keras_autoshard.plans.sharding_plan import ShardingPlan
+
+
+class TorchShardedModel(keras.Model):
+    """Run a built Keras model sharded by a plan across torch ranks.
+
+    Args:
+        model: A built Keras model (torch backend), the same on every rank.
+        plan: Its `ShardingPlan` (e.g. from `plan_for_torch`).
+        device_mesh: The torch `DeviceMesh` of `plan.mesh`.
+
+    Example:
+
+    ```python
+    # torchrun --nproc-per-node 4 train.py
+    plan = plan_for_torch(model, MeshSpec((2, 2), ("batch", "model")), x)
+    sharded = TorchShardedModel(model, plan, torch_device_mesh(plan.mesh))
+    sharded.compile(optimizer="adam", loss="mse")
+    sharded.fit(x_of_this_rank, y_of_this_rank)
+    ```
+    """
+
+    def __init__(self, model: keras.Model, plan: ShardingPlan, device_mesh, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = model
+        self._sharding = None
+        if plan is not None:
+            self._shard(plan, device_mesh)
+
+    # ------------------------------------------------------------ sharding
+    def _shard(self, plan: ShardingPlan, device_mesh) -> None:
+        shard_model_variables(self.inner, plan, device_mesh)
+        self._sharding = (plan, device_mesh)
+        if getattr(self, "optimizer", None) is not None and self.optimizer.built:
+            shard_optimizer_variables(self)
+
+    @property
+    def plan(self) -> ShardingPlan:
+        if self._sharding is None:
+            raise ValueError("The model is not sharded yet: it has no plan.")
+        return self._sharding[0]
+
+    def state_bytes(self) -> RankStateBytes:
+        """Bytes of parameters and optimizer state held by this rank."""
+        return rank_state_bytes(self, self.plan)
+
+    # ------------------------------------------------------------- calling
+    def call(self, inputs, training=None):
+        if self._sharding is None or _is_symbolic(inputs):
+            return self.inner(inputs, training=training)
+        with _implicit_replication():
+            outputs = self.inner(self._global_inputs(inputs), training=training)
+        return tree.map_structure(_to_replicated_plain, outputs)
+
+    def _global_inputs(self, inputs):
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        plan, mesh = self._sharding
+        placements = batch_placements(plan.mesh, plan.batch_axis)
+
+        def to_dtensor(value):
+            if value is None or isinstance(value, DTensor):
+                return value
+            return DTensor.from_local(torch.as_tensor(value), mesh, placements)
+
+        return tree.map_structure(to_dtensor, inputs)
+
+    def gather_batch(self, values):
+        """The global batch of per-rank `values` (targets, sample weights)."""
+        if self._sharding is None:
+            return values
+        return tree.map_structure(_to_replicated_plain, self._global_inputs(values))
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        if self._sharding is not None and self.optimizer is not None:
+            shard_optimizer_variables(self)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with _implicit_replication():
+            return super().train_step(
+                (x, self.gather_batch(y), self.gather_batch(sample_weight))
+            )
+
+    def test_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with _implicit_replication():
+            return super().test_step(
+                (x, self.gather_batch(y), self.gather_batch(sample_weight))
+            )
+
+
+def _to_replicated_plain(value):
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _is_symbolic(inputs) -> bool:
+    return any(
+        getattr(getattr(t, "device", None), "type", None) == "meta"
+        or isinstance(t, keras.KerasTensor)
+        for t in tree.flatten(inputs)
+    )
+
+
+@contextlib.contextmanager
+def _implicit_replication():
+    """Plain tensors act as replicated DTensors; attention runs on the math
+    kernel (DTensor propagates fused CPU attention kernels op by op through
+    their decomposition, hundreds of times slower)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with implicit_replication(), sdpa_kernel([SDPBackend.MATH]):
+        yield

@@ -1,0 +1,144 @@
+"""`TensorParallel(..., distributed_backend="torch")`: one rank per device
+under torchrun, `world_size` ranks per model replica, data parallelism over
+the rest. Planned on the first batch with the same planner as JAX."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping, Sequence
+
+import keras
+from keras.src import tree
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
+from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
+from keras_autoshard.apply.torch.planning import plan_for_torch
+from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
+from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
+from keras_autoshard.plans.rules import Spec
+from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.runtime.torch_processes import ensure_process_group
+
+
+class TorchTensorParallel(TorchShardedModel):
+    """The PyTorch side of `keras_autoshard.TensorParallel`.
+
+    Args:
+        model: A Keras model (torch backend) or a function building one; the
+            same on every rank (seed Keras's RNG identically on every rank or
+            rely on rank 0's weights, which are scattered to all).
+        world_size: Ranks that share one model replica (tensor parallelism);
+            `None` for all ranks. The other factor of the rank count is data
+            parallelism.
+        device_ids: `None`, or one id per rank (under torchrun each rank
+            drives one device: `LOCAL_RANK`).
+        sample_input: One batch of this rank's inputs, to plan now instead of
+            on the first batch.
+        memory_budget: Per-device bytes for parameters and optimizer state.
+        rules: Regular expression on variable path → spec, pinned.
+        plan: A ready `ShardingPlan` (e.g. made under JAX), used as given.
+
+    Example:
+
+    ```python
+    # KERAS_BACKEND=torch torchrun --nproc-per-node 4 train.py
+    tp = keras_autoshard.TensorParallel(model, world_size=2,
+                                        distributed_backend="torch")
+    tp.compile(optimizer="adam", loss="mse")
+    tp.fit(x_of_this_rank, y_of_this_rank)  # 2-way TP x 2-way data parallel
+    ```
+    """
+
+    def __init__(
+        self,
+        model,
+        world_size: int | None = None,
+        device_ids: Sequence[str | int] | None = None,
+        sample_input=None,
+        memory_budget: int | None = None,
+        rules: Mapping[str, Spec] | None = None,
+        plan: ShardingPlan | None = None,
+        **kwargs,
+    ):
+        import torch.distributed as dist
+
+        ensure_process_group()
+        ranks = dist.get_world_size()
+        world_size = ranks if world_size is None else int(world_size)
+        if world_size < 1 or world_size > ranks or ranks % world_size:
+            raise TensorParallelError(
+                f"world_size={world_size} must divide the {ranks} ranks torchrun "
+                "started (the rest is data parallelism). Choose a divisor of "
+                f"{ranks} or change --nproc-per-node."
+            )
+        if device_ids is not None and len(device_ids) != ranks:
+            raise TensorParallelError(
+                f"device_ids={list(device_ids)} names {len(device_ids)} devices but "
+                f"torchrun started {ranks} ranks, one device each. Leave "
+                "device_ids=None and choose devices with --nproc-per-node and "
+                "CUDA_VISIBLE_DEVICES."
+            )
+        if not isinstance(model, keras.Model) and callable(model):
+            model = model()
+        if not isinstance(model, keras.Model):
+            raise TensorParallelError(
+                f"TensorParallel wraps a keras.Model or a function building one; "
+                f"got {type(model).__name__}."
+            )
+        kwargs.setdefault("name", "tensor_parallel")
+        super().__init__(model, None, None, **kwargs)
+        self.wrapped_model = model
+        self.world_size = world_size
+        self.mesh = MeshSpec((ranks // world_size, world_size), (DATA_AXIS, MODEL_AXIS))
+        self._memory_budget = memory_budget
+        self._rules = rules
+        if plan is not None:
+            self._shard(plan, torch_device_mesh(plan.mesh))
+        elif sample_input is not None:
+            self.prepare(sample_input)
+
+    @property
+    def is_planned(self) -> bool:
+        return self._sharding is not None
+
+    def prepare(self, sample_input) -> ShardingPlan:
+        """Plan from one batch of this rank's inputs and shard the model."""
+        if self.is_planned:
+            return self.plan
+        if not self.inner.built:
+            self.inner(sample_input)
+        data_ways = self.mesh.axis_size(DATA_AXIS)
+        global_batch = tree.map_structure(
+            lambda t: types.SimpleNamespace(
+                shape=(t.shape[0] * data_ways, *t.shape[1:]), dtype=t.dtype
+            ),
+            sample_input,
+        )
+        plan = plan_for_torch(
+            self.inner,
+            self.mesh,
+            global_batch,
+            memory_budget=self._memory_budget,
+            rules=self._rules,
+        )
+        self._shard(plan, torch_device_mesh(plan.mesh))
+        return plan
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        if not self.is_planned:
+            batch = data_batch if data_batch is not None else first_batch(iterator)
+            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            self.prepare(x)
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        if not self.is_planned:
+            rows = batch_size or 32
+            self.prepare(tree.map_structure(lambda t: t[:rows], x))
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def predict_on_batch(self, x):
+        self.prepare(x)
+        return super().predict_on_batch(x)

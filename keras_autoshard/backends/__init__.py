@@ -1,1 +1,0 @@
-"""Backend-specific code; nothing outside `backends.jax` imports JAX."""

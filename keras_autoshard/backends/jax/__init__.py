@@ -1,1 +1,0 @@
-"""JAX backend: compiled-program reports, abstract tracing."""

@@ -1,0 +1,67 @@
+"""Every error the library raises, under one base, `AutoShardError`.
+
+Each class keeps the built-in base callers caught before (`ValueError`,
+`RuntimeError`) as a second base, so `except ValueError` still works. Messages
+name the value that was wrong (variable, dim, size, file) and what to do.
+"""
+
+from __future__ import annotations
+
+
+class AutoShardError(Exception):
+    """Base of every keras-autoshard error: `except AutoShardError` catches all."""
+
+
+class PlanError(AutoShardError, ValueError):
+    """A plan that cannot be made or applied as written."""
+
+
+class InfeasibleError(AutoShardError, RuntimeError):
+    """A linear program with no solution (for a plan: nothing fits the budget)."""
+
+
+class DimSizeMismatchError(AutoShardError, ValueError):
+    """Two dimensions of different sizes were asked to be one axis."""
+
+
+class TensorParallelError(AutoShardError, ValueError):
+    """`TensorParallel` cannot do what was asked."""
+
+
+class TensorFlowModelParallelError(TensorParallelError, PlanError):
+    """Tensor (model) parallelism was asked for under the TensorFlow backend."""
+
+
+class CollectiveError(AutoShardError):
+    """A collective that cannot run as asked.
+
+    A collective never falls back to returning its input unchanged.
+    """
+
+
+class CheckpointError(AutoShardError, ValueError):
+    """A checkpoint that cannot be loaded or saved as asked.
+
+    The message names the file and the variable concerned. Nothing is
+    assigned to a model when a load raises this before assignment.
+    """
+
+
+class DeviceSetupError(AutoShardError, RuntimeError):
+    """Simulated devices can no longer be configured as asked."""
+
+
+class ClusterError(AutoShardError, RuntimeError):
+    """The multi-process set-up is incomplete or contradicts itself."""
+
+
+class TorchSetupError(AutoShardError, RuntimeError):
+    """The PyTorch distributed set-up cannot run the request."""
+
+
+class ModelSourceError(AutoShardError, ValueError):
+    """A model source (command line) that cannot be loaded."""
+
+
+class BenchmarkSetupError(AutoShardError, RuntimeError):
+    """The benchmarks cannot be run from here (not a source checkout)."""

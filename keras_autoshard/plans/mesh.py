@@ -1,0 +1,114 @@
+"""The mesh vocabulary every stage speaks: mesh shapes and axis names, the
+partition spec type, and dtype sizes.
+
+Mesh axis names are defined here once. Axes named in `DATA_AXIS_NAMES` split
+the batch (and may hold FSDP-style storage cuts); every other axis is free for
+tensor parallelism. Logical roles of dimensions (`heads`, `mlp`, `vocab`,
+`embed`, `tokens`) are a separate vocabulary (`planner/roles.py`) and never
+reuse a mesh axis name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from keras_autoshard.errors import PlanError
+
+# The default two-axis mesh: data parallelism, then tensor parallelism.
+DATA_AXIS = "batch"
+MODEL_AXIS = "model"
+DEFAULT_AXIS_NAMES = (DATA_AXIS, MODEL_AXIS)
+# Axis names that split the batch.
+DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
+
+# One mesh axis name (or None: not cut) per tensor dimension.
+Spec = Sequence[str | None]
+
+# Bytes per element for dtype names as Keras spells them.
+_DTYPE_BYTES = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name such as `"float32"`.
+
+    Args:
+        dtype: Dtype name as Keras spells it.
+
+    Returns:
+        The size of one element in bytes.
+    """
+    name = str(dtype)
+    if name not in _DTYPE_BYTES:
+        raise PlanError(f"Unknown dtype {name!r}; known: {sorted(_DTYPE_BYTES)}.")
+    return _DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Shape and axis names of a device mesh, without the devices.
+
+    Args:
+        shape: Number of devices along each mesh axis.
+        axis_names: One name per mesh axis.
+
+    Example:
+
+    ```python
+    mesh = MeshSpec(shape=(2, 4), axis_names=("batch", "model"))
+    mesh.axis_size("model")  # 4
+    ```
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "axis_names", tuple(str(a) for a in self.axis_names))
+        if len(self.shape) != len(self.axis_names):
+            raise PlanError(
+                f"Mesh shape {self.shape} has {len(self.shape)} axes but "
+                f"{len(self.axis_names)} axis names {self.axis_names} were given."
+            )
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise PlanError(f"Mesh axis names must be distinct: {self.axis_names}.")
+        if any(size < 1 for size in self.shape):
+            raise PlanError(f"Mesh axis sizes must be >= 1: {self.shape}.")
+
+    @property
+    def device_count(self) -> int:
+        """Number of devices in the mesh (the product of its sizes)."""
+        return math.prod(self.shape)
+
+    def axis_size(self, axis_name: str) -> int:
+        """Number of devices along `axis_name`."""
+        if axis_name not in self.axis_names:
+            raise PlanError(
+                f"Unknown mesh axis {axis_name!r}; the mesh has axes "
+                f"{self.axis_names} with sizes {self.shape}."
+            )
+        return self.shape[self.axis_names.index(axis_name)]
+
+    def describe(self) -> str:
+        """The mesh as text, e.g. `"batch=2 x model=4"`."""
+        return " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))

@@ -1,0 +1,73 @@
+"""Simulated host devices: set XLA's device count before JAX starts.
+
+This module must not import JAX: its whole job is to run before JAX does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+from keras_autoshard.errors import DeviceSetupError  # noqa: F401
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_FLAG_PATTERN = re.compile(re.escape(_DEVICE_COUNT_FLAG) + r"=(\d+)")
+
+
+def simulate_devices(count: int = 8) -> int:
+    """Make JAX expose `count` CPU devices by setting `XLA_FLAGS`.
+
+    Must run before JAX first uses its devices (JAX reads `XLA_FLAGS` once,
+    when its backend starts; importing JAX or Keras does not start it). If
+    JAX is already running with at least `count` devices this is a no-op;
+    with fewer, it raises, because the count can no longer be changed in
+    this process.
+
+    Args:
+        count: Number of host (CPU) devices to simulate.
+
+    Returns:
+        The device count that the flag now asks for.
+
+    Example:
+
+    ```python
+    from keras_autoshard.runtime.devices import simulate_devices
+    simulate_devices(8)   # before `import jax` / `import keras`
+    import jax
+    assert jax.device_count() == 8
+    ```
+    """
+    if count < 1:
+        raise ValueError(f"simulate_devices needs count >= 1, got {count}.")
+    running = _running_jax_device_count()
+    if running is not None:
+        if running < count:
+            raise DeviceSetupError(
+                f"JAX is already initialised with {running} device(s), fewer than "
+                f"the {count} asked for. Call simulate_devices({count}) (or pass "
+                f"--devices {count} on the command line) before JAX first uses its "
+                f"devices, or set XLA_FLAGS={_DEVICE_COUNT_FLAG}={count} in the "
+                "environment."
+            )
+        return running
+    flags = os.environ.get("XLA_FLAGS", "")
+    existing = _FLAG_PATTERN.search(flags)
+    if existing:
+        flags = _FLAG_PATTERN.sub(f"{_DEVICE_COUNT_FLAG}={count}", flags)
+    else:
+        flags = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+    os.environ["XLA_FLAGS"] = flags
+    return count
+
+
+def _running_jax_device_count() -> int | None:
+    """Device count of an already started JAX backend, or None if not started."""
+    jax_module = sys.modules.get("jax")
+    if jax_module is None:
+        return None
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    if xla_bridge is None or not getattr(xla_bridge, "_backends", None):
+        return None
+    return jax_module.device_count()

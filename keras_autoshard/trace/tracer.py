@@ -1,0 +1,190 @@
+"""Trace a Keras model abstractly: shapes and dtypes only, no weights.
+
+A model (or a function that builds one) is built inside a Keras
+`StatelessScope` that never initialises variables, and its forward pass is
+traced by `jax.make_jaxpr` over `jax.ShapeDtypeStruct` leaves. Nothing the
+size of a weight is ever allocated, so models far larger than memory can be
+planned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from keras_autoshard.plans.sharding_plan import unique_variables
+from keras_autoshard.trace.naming import names_replayed_after
+
+logger = logging.getLogger(__name__)
+
+_UNINITIALIZED = "uninitialized_variables"
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableInfo:
+    """What the planner needs of a model variable."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedModel:
+    """The abstract trace of one forward pass.
+
+    Args:
+        closed_jaxpr: The forward pass as a `jax.core.ClosedJaxpr`.
+        invar_kinds: (kind, name) per flattened jaxpr input: `("param",
+            path)`, `("state", path)` or `("input", name)`.
+        variables: Trainable variables, then non-trainable, in model order.
+        input_shapes: Name → shape of each model input as traced.
+    """
+
+    closed_jaxpr: Any
+    invar_kinds: tuple[tuple[str, str | None], ...]
+    variables: tuple[VariableInfo, ...]
+    input_shapes: dict[str, tuple[int, ...]]
+
+
+@contextlib.contextmanager
+def abstract_variables():
+    """Create Keras variables without values inside this block.
+
+    Variables created here keep `_value = None` for good: they are removed
+    from Keras's list of variables awaiting initialisation, so no later
+    stateless scope initialises (allocates) them.
+    """
+    saved = list(global_state.get_global_attribute(_UNINITIALIZED, []) or [])
+    global_state.set_global_attribute(_UNINITIALIZED, [])
+    try:
+        with StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute(_UNINITIALIZED, saved)
+
+
+def build_abstract(builder: Callable[[], keras.Model]) -> keras.Model:
+    """Build a model whose variables have shapes but no values.
+
+    The build leaves Keras's name counters as it found them, so the next real
+    build of the same model gets the same variable paths.
+
+    Args:
+        builder: A function with no arguments returning a `keras.Model`.
+
+    Returns:
+        The model, usable only for abstract tracing.
+    """
+    with names_replayed_after(), abstract_variables():
+        model = builder()
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"The model builder returned {type(model).__name__}, not a keras.Model."
+        )
+    return model
+
+
+def shape_structs(tree):
+    """Replace every array-like leaf by a `jax.ShapeDtypeStruct`."""
+
+    def to_struct(leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(str(leaf.dtype)))
+        return leaf
+
+    return jax.tree_util.tree_map(to_struct, tree)
+
+
+def trace_model(model: keras.Model, sample_input) -> TracedModel:
+    """Trace `model`'s forward pass (training mode) over shapes only.
+
+    Args:
+        model: A built Keras model (its variables may be abstract).
+        sample_input: Inputs as the model takes them (arrays, dicts of arrays,
+            or `jax.ShapeDtypeStruct`s); only shapes and dtypes are used.
+
+    Returns:
+        A `TracedModel`.
+    """
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built: give sample_input so it can be "
+            "built, or build it first."
+        )
+    trainable = unique_variables(model.trainable_variables)
+    non_trainable = unique_variables(model.non_trainable_variables)
+    inputs = shape_structs(sample_input)
+    kwargs = {}
+    if _call_takes_training(model):
+        kwargs["training"] = True
+
+    def forward(trainable_values, non_trainable_values, x):
+        outputs, _ = model.stateless_call(
+            trainable_values, non_trainable_values, x, **kwargs
+        )
+        return outputs
+
+    closed = jax.make_jaxpr(forward)(
+        [_struct(v) for v in trainable], [_struct(v) for v in non_trainable], inputs
+    )
+    input_leaves, _ = jax.tree_util.tree_flatten_with_path(inputs)
+    input_names = [_keystr(path) for path, _ in input_leaves]
+    invar_kinds = (
+        [("param", v.path) for v in trainable]
+        + [("state", v.path) for v in non_trainable]
+        + [("input", name) for name in input_names]
+    )
+    if len(invar_kinds) != len(closed.jaxpr.invars):
+        raise RuntimeError(
+            f"Traced {len(closed.jaxpr.invars)} inputs but expected "
+            f"{len(invar_kinds)}; the model call may close over arrays."
+        )
+    return TracedModel(
+        closed_jaxpr=closed,
+        invar_kinds=tuple(invar_kinds),
+        variables=tuple(
+            VariableInfo(v.path, tuple(int(s) for s in v.shape), str(v.dtype), True)
+            for v in trainable
+        )
+        + tuple(
+            VariableInfo(v.path, tuple(int(s) for s in v.shape), str(v.dtype), False)
+            for v in non_trainable
+        ),
+        input_shapes={
+            name: tuple(leaf.shape)
+            for name, (_, leaf) in zip(input_names, input_leaves)
+        },
+    )
+
+
+def _struct(variable) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(
+        tuple(int(s) for s in variable.shape), np.dtype(str(variable.dtype))
+    )
+
+
+def _keystr(path) -> str:
+    if not path:
+        return "input"
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _call_takes_training(model) -> bool:
+    try:
+        return "training" in inspect.signature(model.call).parameters
+    except (TypeError, ValueError):
+        return False
