@@ -65,3 +65,7 @@ class ModelSourceError(AutoShardError, ValueError):
 
 class BenchmarkSetupError(AutoShardError, RuntimeError):
     """The benchmarks cannot be run from here (not a source checkout)."""
+
+
+class HloParseError(AutoShardError, ValueError):
+    """Optimized HLO text that cannot be read as expected."""

@@ -17,53 +17,13 @@ import re
 from collections.abc import Mapping
 
 from keras_autoshard.errors import ClusterError  # noqa: F401
+from keras_autoshard.runtime.cluster_spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_COORDINATOR_PORT = 29500
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20
 DEFAULT_INITIALIZATION_TIMEOUT_S = 300
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterSpec:
-    """Where this process sits in a multi-process job.
-
-    Attributes:
-        coordinator_address: `host:port` of process 0's coordination service
-            (`None` for a single process).
-        num_processes: Processes in the job.
-        process_id: This process, `0 <= process_id < num_processes`.
-        source: Where the values came from (`"arguments"`, `"keras"`,
-            `"jax"`, `"torchrun"`, `"slurm"` or `"single process"`).
-
-    Example:
-
-    ```python
-    spec = resolve_cluster("10.0.0.1:1234", num_processes=2, process_id=1)
-    spec.is_multi_process  # True
-    spec.describe()  # 'process 1 of 2, coordinator 10.0.0.1:1234 (from arguments)'
-    ```
-    """
-
-    coordinator_address: str | None
-    num_processes: int
-    process_id: int
-    source: str
-
-    @property
-    def is_multi_process(self) -> bool:
-        """Whether the job has more than one process."""
-        return self.num_processes > 1
-
-    def describe(self) -> str:
-        """This process's place in the job, as one line of text."""
-        if not self.is_multi_process:
-            return "single process"
-        return (
-            f"process {self.process_id} of {self.num_processes}, coordinator "
-            f"{self.coordinator_address} (from {self.source})"
-        )
 
 
 def resolve_cluster(
@@ -224,7 +184,7 @@ def process_batch_rows(global_batch_size: int, distribution=None) -> slice:
     """
     import keras
 
-    from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+    from keras_autoshard.plans.mesh import DATA_AXIS_NAMES
 
     if keras.backend.backend() == "torch":
         return _torch_batch_rows(global_batch_size, distribution)
@@ -241,7 +201,7 @@ def process_batch_rows(global_batch_size: int, distribution=None) -> slice:
 
 
 def _torch_batch_rows(global_batch_size: int, sharded_model) -> slice:
-    from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+    from keras_autoshard.plans.mesh import DATA_AXIS_NAMES
     from keras_autoshard.runtime.torch_processes import local_batch_rows
 
     mesh = getattr(sharded_model, "mesh", None)

@@ -13,7 +13,8 @@ import logging
 import jax
 import numpy as np
 
-from keras_autoshard.runtime.cluster import ClusterError, ClusterSpec
+from keras_autoshard.errors import ClusterError
+from keras_autoshard.runtime.cluster_spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`AutoShardDistribution`: a Keras distribution that plans itself.
+"""`JaxAutoShardDistribution`: the JAX `AutoShardDistribution`, which plans itself.
 
 Variables created under its scope before a plan exists get a provisional
 sharded layout (their largest divisible dimension cut over the largest mesh
@@ -11,66 +11,39 @@ shard to shard.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
+import sys
+import weakref
 from collections.abc import Mapping
 
 import keras
 from keras.distribution import TensorLayout
-from keras.src.distribution.distribution_lib import Distribution
-from keras.src.trainers import trainer as keras_trainer
+from keras.src import backend as keras_backend
+from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from keras_autoshard.apply.common import first_batch, slot_owner, slot_prefix
+from keras_autoshard.apply.auto_distribution import AutoShardDistribution
+from keras_autoshard.apply.common import slot_owner, slot_prefix
 from keras_autoshard.apply.jax.device_mesh import default_mesh_shape, make_device_mesh
 from keras_autoshard.apply.jax.plan_distribution import (
     PlanDistribution,
     require_jax_backend,
 )
-from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
-from keras_autoshard.plans.rules import Spec
+from keras_autoshard.plans.mesh import DATA_AXIS, DATA_AXIS_NAMES, MODEL_AXIS, Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 
 logger = logging.getLogger(__name__)
 
 
-class AutoShardDistribution(Distribution):
-    """Shard a Keras model automatically: plan from its graph, then apply.
+class JaxAutoShardDistribution(AutoShardDistribution):
+    """The JAX side of `keras_autoshard.AutoShardDistribution`.
 
-    Args:
-        device_mesh: A `keras.distribution.DeviceMesh` (or `MeshSpec`). When
-            `None`, the planner picks a (data, model) mesh shape over all
-            devices by cost.
-        memory_budget: Per-device bytes for parameters and optimizer state;
-            `None` means no limit.
-        rules: Regular expression on variable path → spec, pinned; the
-            planner fills in the rest.
-        sample_input: A batch (or `jax.ShapeDtypeStruct`s) to plan with;
-            otherwise the first batch the model sees is used.
-        auto_shard_dataset: As in `keras.distribution.Distribution`.
-
-    Example:
-
-    ```python
-    dist = keras_autoshard.AutoShardDistribution()
-    with dist.scope():
-        model = keras_hub.models.GPT2Backbone(**config)
-        model.compile(optimizer="adam", loss="mse")
-        model.fit(x, y, batch_size=8)      # plans on the first batch
-    print(dist.plan.explain())
-    ```
+    Serves Keras the layouts of the plan; until a model is planned, variables
+    get a provisional sharded layout and batches stay whole. A model is
+    planned on the first batch Keras distributes for it (see
+    `get_data_layout`), or by `prepare(model, sample_input)`.
     """
-
-    def __new__(cls, *args, **kwargs):
-        if keras.backend.backend() == "tensorflow":
-            # Data parallelism through tf.distribute; see docs/tensorflow.md.
-            from keras_autoshard.apply.tensorflow.data_parallel import (
-                TensorFlowAutoShardDistribution,
-            )
-
-            return TensorFlowAutoShardDistribution(*args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -84,7 +57,7 @@ class AutoShardDistribution(Distribution):
         self._requested_mesh = _as_mesh_spec(device_mesh)
         devices = keras.distribution.list_devices()
         provisional = self._requested_mesh or MeshSpec(
-            (1, len(devices)), ("batch", "model")
+            (1, len(devices)), (DATA_AXIS, MODEL_AXIS)
         )
         keras_mesh = (
             device_mesh
@@ -96,7 +69,11 @@ class AutoShardDistribution(Distribution):
         self._rules = dict(rules) if rules else None
         self._sample_input = sample_input
         self._applied: PlanDistribution | None = None
-        self._planned_models: set[int] = set()
+        # Models planned by this distribution (weakly held: no model is kept
+        # alive by having been planned) and those being planned right now.
+        self._planned_models: weakref.WeakSet = weakref.WeakSet()
+        self._planning_models: weakref.WeakSet = weakref.WeakSet()
+        self._stale_step_functions: weakref.WeakSet = weakref.WeakSet()
         self._plans_shared = 0
 
     # ------------------------------------------------------------- the plan
@@ -141,7 +118,7 @@ class AutoShardDistribution(Distribution):
                 rules=self._rules,
             )
         self._apply(plan, model)
-        self._planned_models.add(id(model))
+        self._planned_models.add(model)
         return plan
 
     def _plan_across_processes(self, model, local_sample) -> ShardingPlan:
@@ -152,8 +129,8 @@ class AutoShardDistribution(Distribution):
         within a process (tensor parallelism inside a host, data parallelism
         across hosts) unless a mesh was given.
         """
-        from keras_autoshard.runtime import jax_processes as multiprocess
         from keras_autoshard.planner.planner import plan as make_plan
+        from keras_autoshard.runtime import jax_processes as multiprocess
 
         mesh = self._requested_mesh or MeshSpec(
             default_mesh_shape(
@@ -216,10 +193,53 @@ class AutoShardDistribution(Distribution):
         return sizes[data_axes[0]] if data_axes else 1
 
     def get_data_layout(self, data_shape) -> TensorLayout:
+        """The layout of one batch tensor; plans the model on its first batch.
+
+        Keras asks for data layouts when a trainer method (`fit`, `evaluate`,
+        `predict`, the `*_on_batch` methods) distributes a batch. When the
+        model behind that call has not been planned yet, it is planned here,
+        on that batch, before Keras records its state shardings (found by
+        `_trainer_call_asking`).
+        """
+        model, batch = _trainer_call_asking()
+        if model is not None and batch is not None:
+            self._plan_on_first_batch(model, batch)
+            self._remake_stale_step_functions(model)
         if self._applied is None:
-            # Only the batch that the plan is made from arrives before a plan.
+            # No plan and no trainer call to plan from: keep the batch whole.
             return TensorLayout([None] * len(data_shape), self.device_mesh)
         return self._applied.get_data_layout(data_shape)
+
+    def _plan_on_first_batch(self, model: keras.Model, batch) -> None:
+        if model in self._planned_models or model in self._planning_models:
+            return
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        self._planning_models.add(model)
+        try:
+            if not model.built:
+                # Build symbolically (shapes only), as Keras's own build does.
+                keras_backend.compute_output_spec(model, _symbolic(x))
+            self.prepare(model, x)
+        finally:
+            self._planning_models.discard(model)
+        self._stale_step_functions.add(model)
+
+    def _remake_stale_step_functions(self, model: keras.Model) -> None:
+        """Step functions compiled before the plan output the old shardings:
+        remake them once the model's variables hold values again (inside
+        `predict` Keras has moved them into its loop state)."""
+        if model not in self._stale_step_functions or any(
+            variable._value is None for variable in model.variables
+        ):
+            return
+        self._stale_step_functions.discard(model)
+        for function, make in (
+            (model.train_function, model.make_train_function),
+            (model.test_function, model.make_test_function),
+            (model.predict_function, model.make_predict_function),
+        ):
+            if function is not None:
+                make(force=True)
 
     def get_variable_layout(self, variable) -> TensorLayout:
         if getattr(variable, "_layout", None) is not None:
@@ -230,62 +250,6 @@ class AutoShardDistribution(Distribution):
 
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         return None if self._applied is None else self._applied.get_tensor_layout(path)
-
-    @contextlib.contextmanager
-    def scope(self):
-        """Make this distribution current; plan models on their first batch."""
-        original = keras_trainer.Trainer._symbolic_build
-        distribution = self
-
-        def symbolic_build(model, iterator=None, data_batch=None):
-            if id(model) in distribution._planned_models:
-                return original(model, iterator=iterator, data_batch=data_batch)
-            if data_batch is None:
-                data_batch = first_batch(iterator)
-            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data_batch)
-            if model.built:
-                distribution.prepare(model, x)
-                return original(model, data_batch=data_batch)
-            result = original(model, data_batch=data_batch)
-            distribution.prepare(model, x)
-            return result
-
-        def plan_before(method, x_is_one_batch=False):
-            def planned_first(model, x, *args, **kwargs):
-                if id(model) not in distribution._planned_models:
-                    sample = (
-                        x
-                        if x_is_one_batch
-                        else _first_predict_batch(
-                            x, kwargs.get("batch_size", args[0] if args else None)
-                        )
-                    )
-                    if not model.built:
-                        with keras.StatelessScope():
-                            model(sample)
-                    distribution.prepare(model, sample)
-                return method(model, x, *args, **kwargs)
-
-            return planned_first
-
-        from keras.src.backend.jax.trainer import JAXTrainer
-
-        patched = {
-            (keras_trainer.Trainer, "_symbolic_build"): symbolic_build,
-            (JAXTrainer, "predict"): plan_before(JAXTrainer.predict),
-            (JAXTrainer, "predict_on_batch"): plan_before(
-                JAXTrainer.predict_on_batch, x_is_one_batch=True
-            ),
-        }
-        originals = {key: getattr(*key) for key in patched}
-        for (owner, name), replacement in patched.items():
-            setattr(owner, name, replacement)
-        try:
-            with super().scope():
-                yield
-        finally:
-            for (owner, name), method in originals.items():
-                setattr(owner, name, method)
 
 
 def multi_process() -> bool:
@@ -348,19 +312,62 @@ def move_variable(variable, layout: TensorLayout) -> None:
         variable._direct_assign(variable._value)
 
 
-def _first_predict_batch(x, batch_size):
-    """The first batch `predict(x, batch_size)` will see, as Keras slices it."""
-    from keras.src.backend.jax.trainer import JAXEpochIterator
-
-    iterator = JAXEpochIterator(x=x, batch_size=batch_size, shuffle=False)
-    batch = first_batch(iterator)
-    sample, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
-    return sample
-
-
 def _as_mesh_spec(device_mesh) -> MeshSpec | None:
     if device_mesh is None:
         return None
     if isinstance(device_mesh, MeshSpec):
         return device_mesh
     return MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))
+
+
+# Keras trainer methods that distribute batches, and the locals of Keras's
+# data-distribution functions that hold the batch being distributed.
+_TRAINER_METHODS = frozenset(
+    {
+        "_symbolic_build",
+        "fit",
+        "evaluate",
+        "predict",
+        "train_on_batch",
+        "test_on_batch",
+        "predict_on_batch",
+    }
+)
+_BATCH_HOLDERS = frozenset({"_distribute_data", "_get_distributed_iterator"})
+
+
+def _trainer_call_asking():
+    """The (model, batch) of the Keras trainer call that asked for a layout.
+
+    Keras's `Distribution` protocol hands a distribution shapes, never the
+    model. Planning on the first batch needs both, so this reads them off the
+    call stack, read-only: the nearest Keras data-distribution frame holds
+    the batch (its `data`), the nearest trainer-method frame its model
+    (`self`). Nothing is assigned to Keras, and only the model of that call
+    is affected; see docs/concepts.md ("When a model is planned").
+
+    Returns:
+        `(model, batch)`, or `(None, None)` when no trainer call is asking
+        (for instance a user calling `get_data_layout` directly).
+    """
+    frame = sys._getframe(2)
+    batch = None
+    while frame is not None:
+        name = frame.f_code.co_name
+        if batch is None and name in _BATCH_HOLDERS:
+            batch = frame.f_locals.get("data")
+        if name in _TRAINER_METHODS:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Model):
+                return owner, batch
+        frame = frame.f_back
+    return None, None
+
+
+def _symbolic(x):
+    return tree.map_structure(
+        lambda a: keras_backend.KerasTensor(
+            a.shape, keras_backend.standardize_dtype(a.dtype)
+        ),
+        x,
+    )

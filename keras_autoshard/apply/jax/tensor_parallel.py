@@ -16,7 +16,7 @@ weight files are the same with and without the wrapper.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -28,16 +28,16 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 
 from keras_autoshard.apply.common import first_batch
 from keras_autoshard.apply.jax.auto_distribution import (
-    AutoShardDistribution,
+    JaxAutoShardDistribution,
     move_variable,
     relayout_model,
 )
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
 from keras_autoshard.apply.jax.plan_distribution import PlanDistribution
+from keras_autoshard.apply.tensor_parallel import ModelSource, TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelError,
     TensorParallelSetup,
-    resolve_backend,
     tensor_parallel_setup,
 )
 from keras_autoshard.plans.rules import Spec
@@ -45,81 +45,10 @@ from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 
 logger = logging.getLogger(__name__)
 
-ModelSource = keras.Model | Callable[[], keras.Model] | Mapping[str, Any]
 
-
-@keras.saving.register_keras_serializable(package="keras_autoshard")
-class TensorParallel(keras.Model):
-    """Run a Keras model cut over several devices (tensor parallelism).
-
-    A drop-in `keras.Model`: `compile`, `fit`, `evaluate`, `predict`, the
-    `*_on_batch` methods, `summary`, `save_weights`/`load_weights` and `save`
-    work as on the wrapped model. The sharding is planned automatically from
-    the model's computation graph on the first batch (or on
-    `prepare(sample_input)`): weights of matching matrix multiplications are
-    cut column-wise then row-wise (Megatron), each optimizer slot is cut like
-    its parameter, and XLA inserts the all-reduces over the `"model"` axis.
-
-    Args:
-        model: A `keras.Model` (built or not; a built one is moved onto the
-            devices shard by shard when planned), a function with no
-            arguments that builds one, or a serialized model config (a dict
-            from `keras.saving.serialize_keras_object`). Functions and configs
-            are built under the distribution, so every variable is created
-            sharded and the full model is never held by one device.
-        world_size: Devices each model copy is cut over. Defaults to every
-            device in use; a smaller value that divides the device count
-            leaves the remaining factor to data parallelism (mesh
-            `(devices // world_size, world_size)` over `("batch", "model")`).
-        device_ids: Devices to use, as names (`"gpu:0"`, `"cpu:3"`) or
-            indices. Defaults to every local accelerator, or the (simulated)
-            host devices when there is none.
-        distributed_backend: `"auto"` (the Keras backend), `"jax"`,
-            `"torch"` (under torchrun with KERAS_BACKEND=torch:
-            returns a `TorchTensorParallel`) or `"tensorflow"` (data
-            parallelism only, `world_size=1`: returns a
-            `TensorFlowTensorParallel`).
-        sample_input: One global batch of inputs to plan with now instead of
-            on the first batch.
-        memory_budget: Per-device bytes for parameters and optimizer state
-            given to the planner; `None` for no limit.
-        rules: Variable path regex → partition spec, pinned in the plan.
-        **kwargs: Passed to `keras.Model` (`name`, ...).
-
-    Example:
-
-    ```python
-    model = keras.Sequential([
-        keras.Input((784,)),
-        keras.layers.Dense(1024, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
-    tp_model = keras_autoshard.TensorParallel(model)   # all devices
-    tp_model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    tp_model.fit(x_train, y_train, epochs=5)
-    print(tp_model.plan.explain())
-    ```
-    """
-
-    def __new__(cls, *args, **kwargs):
-        backend = kwargs.get(
-            "distributed_backend", args[3] if len(args) > 3 else "auto"
-        )
-        if resolve_backend(backend) == "tensorflow":
-            from keras_autoshard.apply.tensorflow.tensor_parallel import (
-                TensorFlowTensorParallel,
-            )
-
-            kwargs.pop("distributed_backend", None)
-            return TensorFlowTensorParallel(*args[:3], *args[4:], **kwargs)
-        if resolve_backend(backend) == "torch":
-            from keras_autoshard.apply.torch.tensor_parallel import (
-                TorchTensorParallel,
-            )
-
-            kwargs.pop("distributed_backend", None)
-            return TorchTensorParallel(*args[:3], *args[4:], **kwargs)
-        return super().__new__(cls, *args, **kwargs)
+class JaxTensorParallel(TensorParallel):
+    """The JAX side of `keras_autoshard.TensorParallel`: an `AutoShardDistribution`
+    over a `(data, model)` mesh; XLA inserts the collectives."""
 
     def __init__(
         self,
@@ -148,7 +77,7 @@ class TensorParallel(keras.Model):
             "memory_budget": memory_budget,
             "rules": None if rules is None else dict(rules),
         }
-        self._distribution = AutoShardDistribution(
+        self._distribution = JaxAutoShardDistribution(
             device_mesh=make_device_mesh(setup.mesh, list(setup.devices)),
             memory_budget=memory_budget,
             rules=rules,
@@ -161,7 +90,7 @@ class TensorParallel(keras.Model):
 
     # ------------------------------------------------------------ properties
     @property
-    def distribution(self) -> AutoShardDistribution:
+    def distribution(self) -> JaxAutoShardDistribution:
         """The Keras distribution the model runs under."""
         return self._distribution
 
@@ -343,10 +272,6 @@ class TensorParallel(keras.Model):
         with self._distribution.scope():
             return super().predict_on_batch(x)
 
-    def summary(self, *args, **kwargs):
-        """The wrapped model's summary (its layers, as unwrapped)."""
-        return self.wrapped_model.summary(*args, **kwargs)
-
     def save_weights(self, filepath, *args, **kwargs):
         """Save the wrapped model's weights: the file loads with or without
         the wrapper (`keras.Model.load_weights` on the unwrapped model)."""
@@ -381,10 +306,6 @@ class TensorParallel(keras.Model):
             "name": self.name,
             **self._arguments,
         }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        return cls(**config)
 
     def __repr__(self) -> str:
         state = self.plan.mesh.describe() if self.is_planned else "not planned yet"

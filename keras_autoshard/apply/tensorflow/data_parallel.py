@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from keras_autoshard.apply.auto_distribution import AutoShardDistribution
 from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelError,
     select_devices,
@@ -184,7 +185,7 @@ def data_parallel_mesh(device_mesh, device_count: int) -> MeshSpec:
     return mesh
 
 
-class TensorFlowAutoShardDistribution:
+class TensorFlowAutoShardDistribution(AutoShardDistribution):
     """`AutoShardDistribution` under the TensorFlow backend: data parallelism.
 
     `keras_autoshard.AutoShardDistribution(...)` returns one of these when

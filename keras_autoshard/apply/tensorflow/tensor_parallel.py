@@ -16,6 +16,7 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.epoch_iterator import EpochIterator
 
 from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import (
     DATA_AXIS,
     MODEL_AXIS,
@@ -36,7 +37,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPla
 logger = logging.getLogger(__name__)
 
 
-class TensorFlowTensorParallel(keras.Model):
+class TensorFlowTensorParallel(TensorParallel):
     """The TensorFlow side of `keras_autoshard.TensorParallel`: data parallel.
 
     `keras_autoshard.TensorParallel(model, world_size=1)` returns one of these
@@ -58,6 +59,8 @@ class TensorFlowTensorParallel(keras.Model):
             backend refuses.
         device_ids: Devices to replicate over (`"cpu:0"`, `"gpu:1"` or
             indices); all by default.
+        distributed_backend: `"tensorflow"` or `"auto"` (what
+            `TensorParallel` dispatched on).
         sample_input: One global batch to plan with now.
         memory_budget: Per-device bytes for parameters and optimizer state;
             a budget that only a cut variable would meet is refused.
@@ -82,6 +85,7 @@ class TensorFlowTensorParallel(keras.Model):
         model: keras.Model | Callable[[], keras.Model] | Mapping[str, Any],
         world_size: int | None = None,
         device_ids: Sequence[str | int] | None = None,
+        distributed_backend: str = "tensorflow",
         sample_input=None,
         memory_budget: int | None = None,
         rules: Mapping[str, Spec] | None = None,
@@ -245,10 +249,6 @@ class TensorFlowTensorParallel(keras.Model):
     def predict_on_batch(self, x):
         self.prepare(x)
         return super().predict_on_batch(x)
-
-    def summary(self, *args, **kwargs):
-        """The wrapped model's summary."""
-        return self.wrapped_model.summary(*args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
         """Save the wrapped model's weights (loadable without the wrapper)."""

@@ -12,6 +12,7 @@ from keras.src import tree
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
 from keras_autoshard.apply.torch.planning import plan_for_torch
@@ -22,7 +23,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from keras_autoshard.runtime.torch_processes import ensure_process_group
 
 
-class TorchTensorParallel(TorchShardedModel):
+class TorchTensorParallel(TensorParallel, TorchShardedModel):
     """The PyTorch side of `keras_autoshard.TensorParallel`.
 
     Args:
@@ -34,6 +35,8 @@ class TorchTensorParallel(TorchShardedModel):
             parallelism.
         device_ids: `None`, or one id per rank (under torchrun each rank
             drives one device: `LOCAL_RANK`).
+        distributed_backend: `"torch"` or `"auto"` (what `TensorParallel`
+            dispatched on).
         sample_input: One batch of this rank's inputs, to plan now instead of
             on the first batch.
         memory_budget: Per-device bytes for parameters and optimizer state.
@@ -56,6 +59,7 @@ class TorchTensorParallel(TorchShardedModel):
         model,
         world_size: int | None = None,
         device_ids: Sequence[str | int] | None = None,
+        distributed_backend: str = "torch",
         sample_input=None,
         memory_budget: int | None = None,
         rules: Mapping[str, Spec] | None = None,
