@@ -107,6 +107,7 @@ def main(devices, out_path):
             "single_device": single,
             "tensor_parallel_world_size_1": parallel,
             "wrapper": type(wrapper).__name__,
+            "is_tensor_parallel": isinstance(wrapper, ka.TensorParallel),
             "replicas": wrapper.strategy.num_replicas_in_sync,
             "mirrored_variables": sum(
                 isinstance(v.value, tf.distribute.DistributedValues)
@@ -125,6 +126,9 @@ def main(devices, out_path):
     distribution.prepare(model, batch("mlp")[0])
     result["distribution"] = {
         "type": type(distribution).__name__,
+        "is_auto_shard_distribution": isinstance(
+            distribution, ka.AutoShardDistribution
+        ),
         "losses": scoped,
         "mesh": list(distribution.plan.mesh.shape),
         "replicated": all(not any(v.spec) for v in distribution.plan.variables),

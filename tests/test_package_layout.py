@@ -58,9 +58,7 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-MODULES = {
-    _module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))
-}
+MODULES = {_module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
 def _stage(module: str) -> int:
@@ -116,9 +114,7 @@ def _imported_modules(module: str) -> set[str]:
             names = [node.args[0].value]
         else:
             continue
-        imported.update(
-            name for name in names if name in MODULES and name != module
-        )
+        imported.update(name for name in names if name in MODULES and name != module)
     return imported
 
 
@@ -148,8 +144,7 @@ def test_the_package_import_graph_has_no_cycles():
 
 def test_no_module_imports_a_later_stage():
     backwards = [
-        f"{module} (stage {_stage(module)}) imports {target} "
-        f"(stage {_stage(target)})"
+        f"{module} (stage {_stage(module)}) imports {target} (stage {_stage(target)})"
         for module, targets in sorted(IMPORT_GRAPH.items())
         if module not in PUBLIC_FRONTS
         for target in sorted(targets)
@@ -161,12 +156,14 @@ def test_no_module_imports_a_later_stage():
 def test_the_import_graph_sees_imports_inside_functions():
     # The planner imports the graph builder; the runtime imports JAX's
     # processes inside a function only: both must be edges.
-    assert "keras_autoshard.graph.builder" in IMPORT_GRAPH[
-        "keras_autoshard.planner.planner"
-    ]
-    assert "keras_autoshard.runtime.jax_processes" in IMPORT_GRAPH[
-        "keras_autoshard.runtime.cluster"
-    ]
+    assert (
+        "keras_autoshard.graph.builder"
+        in IMPORT_GRAPH["keras_autoshard.planner.planner"]
+    )
+    assert (
+        "keras_autoshard.runtime.jax_processes"
+        in IMPORT_GRAPH["keras_autoshard.runtime.cluster"]
+    )
 
 
 def test_backend_dispatch_stays_in_its_stage():
@@ -201,9 +198,10 @@ def _keras_names(tree: ast.Module) -> set[str]:
             for alias in node.names:
                 if alias.name.split(".")[0] == "keras":
                     names.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[
-            0
-        ] == "keras":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == "keras"
+        ):
             names.update(alias.asname or alias.name for alias in node.names)
     return names
 

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_autoshard as ka
 from keras_autoshard import TensorParallel, TensorParallelError, names_replayed_after
 from keras_autoshard.apply.tensor_parallel_setup import tensor_parallel_setup
 from tests import zoo
@@ -111,6 +112,8 @@ def test_seed_sequential_example_matches_unwrapped_and_all_reduces_over_model():
 
     tp_model = TensorParallel(model)  # Auto-detects devices and world_size
     assert tp_model.world_size == 8 and tp_model.setup.mesh.shape == (1, 8)
+    assert isinstance(tp_model, TensorParallel)
+    assert isinstance(tp_model.distribution, ka.AutoShardDistribution)
     assert_close(tp_model.predict(x_train, verbose=0), reference(x_train), "outputs")
     assert_fit_losses_match(
         reference,

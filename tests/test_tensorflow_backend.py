@@ -54,6 +54,7 @@ def test_tensor_parallel_world_size_1_matches_one_device_after_5_adam_steps(
 ):
     run = tensorflow_run["models"][name]
     assert run["wrapper"] == "TensorFlowTensorParallel"
+    assert run["is_tensor_parallel"]  # isinstance(wrapper, ka.TensorParallel)
     assert run["replicas"] == DEVICES
     assert run["mirrored_variables"] == run["variables"]
     single = run["single_device"]
@@ -65,6 +66,7 @@ def test_tensor_parallel_world_size_1_matches_one_device_after_5_adam_steps(
 def test_distribution_scope_trains_data_parallel_like_one_device(tensorflow_run):
     run = tensorflow_run["distribution"]
     assert run["type"] == "TensorFlowAutoShardDistribution"
+    assert run["is_auto_shard_distribution"]
     assert run["mesh"] == [DEVICES, 1] and run["replicated"]
     single = tensorflow_run["models"]["mlp"]["single_device"]
     assert relative_gap(run["losses"], single) < RTOL

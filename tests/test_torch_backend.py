@@ -146,4 +146,5 @@ def test_tensor_parallel_with_torch_backend_trains_like_the_unwrapped_model(tmp_
         assert path.exists(), f"rank {rank} wrote no result:\n{done.stderr[-3000:]}"
         result = json.loads(path.read_text())
         assert result["type"] == "TorchTensorParallel" and result["mesh"] == [2, 2]
+        assert result["is_tensor_parallel"]  # isinstance(tp, ka.TensorParallel)
         assert result["ok"], f"rank {rank}: {result['problems']}"

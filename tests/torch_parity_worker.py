@@ -200,6 +200,7 @@ def tensor_parallel_run(mesh, out_dir):
     )
     figures = {
         "type": type(tp).__name__,
+        "is_tensor_parallel": isinstance(tp, ka.TensorParallel),
         "forward": relative(out, expected_out),
         "losses": relative(history.history["loss"], ref_losses),
         "mesh": list(tp.plan.mesh.shape),

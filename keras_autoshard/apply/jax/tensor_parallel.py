@@ -46,6 +46,7 @@ from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 logger = logging.getLogger(__name__)
 
 
+@keras.saving.register_keras_serializable(package="keras_autoshard")
 class JaxTensorParallel(TensorParallel):
     """The JAX side of `keras_autoshard.TensorParallel`: an `AutoShardDistribution`
     over a `(data, model)` mesh; XLA inserts the collectives."""

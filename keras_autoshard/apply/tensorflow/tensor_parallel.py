@@ -37,6 +37,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPla
 logger = logging.getLogger(__name__)
 
 
+@keras.saving.register_keras_serializable(package="keras_autoshard")
 class TensorFlowTensorParallel(TensorParallel):
     """The TensorFlow side of `keras_autoshard.TensorParallel`: data parallel.
 

@@ -23,6 +23,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from keras_autoshard.runtime.torch_processes import ensure_process_group
 
 
+@keras.saving.register_keras_serializable(package="keras_autoshard")
 class TorchTensorParallel(TensorParallel, TorchShardedModel):
     """The PyTorch side of `keras_autoshard.TensorParallel`.
 
