@@ -24,6 +24,7 @@ from keras_autoshard.planner.cost_model import (
     storage_cut_only,
     tensor_axes,
 )
+from keras_autoshard.planner.explain import plan_notes, variable_reason
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins, search
@@ -283,7 +284,7 @@ def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
             reason = "replicated: not a floating-point tensor of the computation"
         else:
             spec = tensor_axes(tensor, assignment)
-            reason = _reason(tensor, spec, var_roles, assignment)
+            reason = variable_reason(tensor, spec, var_roles, assignment)
         entries.append(
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )
@@ -300,7 +301,7 @@ def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
         variables=tuple(entries),
         batch_axis=batch_axis,
         activations=activations,
-        notes=tuple(_notes(graph, mesh, assignment, roles, cost) + pin_notes),
+        notes=tuple(plan_notes(graph, mesh, assignment, roles, cost) + pin_notes),
     )
     validate_plan_structure(plan)
     return plan
@@ -343,76 +344,6 @@ def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
             if cls is not None and cls in assignment.class_axis:
                 return assignment.class_axis[cls]
     return None
-
-
-def _reason(tensor, spec, var_roles, assignment) -> str:
-    parts = []
-    fsdp_dims = {d for d, _ in assignment.fsdp.get(tensor.name, ())}
-    for dim, axis in enumerate(spec):
-        role = var_roles[dim] or "dim"
-        if axis is None:
-            continue
-        how = "FSDP storage" if dim in fsdp_dims else "follows the computation"
-        parts.append(f"{role} (dim {dim}) on {axis!r}: {how}")
-    if not parts:
-        return "replicated: sharding it would add communication or break no tie"
-    return "; ".join(parts)
-
-
-def _notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
-    notes = []
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    for edge in graph.slice_edges:
-        target_axis = assignment.class_axis.get(edge.target)
-        source_axis = assignment.class_axis.get(edge.source)
-        if target_axis is not None and source_axis != target_axis:
-            source = graph.classes[edge.source]
-            if edge.reason == "repeat":
-                notes.append(
-                    f"GQA/MQA: {source.size} key/value heads cannot be split over "
-                    f"{target_axis!r} (size {sizes[target_axis]}); they are "
-                    "replicated and each device slices the query-head groups it "
-                    "owns (one all-reduce of the key/value activations in the "
-                    "backward pass)."
-                )
-            else:
-                notes.append(
-                    f"A dimension of size {source.size} is kept whole on "
-                    f"{target_axis!r} while the dimension taken from it "
-                    f"({edge.reason}, size {graph.classes[edge.target].size}) is "
-                    f"split over {target_axis!r}: each device slices its part "
-                    "locally, and the gradient is all-reduced in the backward pass."
-                )
-    for cls_id, role in roles.items():
-        if role != "vocab":
-            continue
-        cls = graph.classes[cls_id]
-        if cls_id not in assignment.class_axis:
-            bad = [n for n, s in sizes.items() if s > 1 and cls.size % s]
-            if bad:
-                notes.append(
-                    f"Vocabulary of {cls.size} does not divide mesh axis "
-                    f"{bad[0]!r} (size {sizes[bad[0]]}): the embedding is kept "
-                    "whole along it (replicated, or FSDP-sharded on another dim). "
-                    "Pad the vocabulary to a multiple to shard it."
-                )
-    for name, count in graph.unknown_primitives:
-        notes.append(
-            f"Unknown primitive {name!r} ({count}x): its tensors' axes were left "
-            "unsharded (conservative)."
-        )
-    notes.append(
-        f"Estimated per device: parameters {format_bytes(cost.parameter_bytes)}, "
-        f"gradients {format_bytes(cost.gradient_bytes)}, optimizer "
-        f"{format_bytes(cost.optimizer_bytes)}, activations "
-        f"{format_bytes(cost.activation_bytes)}; communication "
-        f"{format_bytes(cost.communication_bytes)} per step ("
-        + ", ".join(
-            f"{a} {format_bytes(b)}" for a, b in cost.communication_by_axis.items()
-        )
-        + ")."
-    )
-    return notes
 
 
 def _no_fit_message(graph, meshes: Sequence[MeshSpec], budget, slots) -> str:

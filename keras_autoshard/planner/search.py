@@ -56,8 +56,10 @@ class Pins:
 class _Program:
     """Builds the MILP for one graph and mesh."""
 
-    def __init__(self, graph, axes, options, pins):
+    def __init__(self, graph, axes, options, pins, batch_split="forced"):
         self.graph: AxisGraph = graph
+        self.batch_split = batch_split
+        self.batch_vars: list[int] = []
         self.axes: tuple[MeshAxis, ...] = axes
         self.sizes = {a.name: a.size for a in axes}
         self.options: PlannerOptions = options
@@ -70,7 +72,8 @@ class _Program:
     # ------------------------------------------------------------ variables
     def add_class_vars(self) -> None:
         eligible = _eligible_classes(self.graph)
-        batch_classes = _batch_classes(self.graph)
+        input_batch_classes = _batch_classes(self.graph)
+        batch_classes = batch_carrying_classes(self.graph)
         for cls in self.graph.classes:
             if cls.id not in eligible or cls.unshardable_reason is not None:
                 continue
@@ -84,11 +87,21 @@ class _Program:
                 pinned = self.pins.class_axis.get(cls.id, "free")
                 if pinned != "free" and pinned != axis.name:
                     continue
-                # A data axis splits the batch whenever the batch divides.
-                forced = pinned == axis.name or (axis.data_only and pinned == "free")
+                # A data axis splits the batch whenever the batch divides:
+                # forced, or (when forcing it cannot hold) strongly preferred.
+                splits_batch = (
+                    axis.data_only
+                    and pinned == "free"
+                    and cls.id in input_batch_classes
+                )
+                forced = pinned == axis.name or (
+                    splits_batch and self.batch_split == "forced"
+                )
                 lower = 1.0 if forced else 0.0
                 var = self.lp.add_var(cost=_TIE_BREAK_BYTES, lower=lower, integer=True)
                 self.x[(cls.id, axis.name)] = var
+                if splits_batch:
+                    self.batch_vars.append(var)
         for cls_id, axis in self.pins.class_axis.items():
             if axis is not None and (cls_id, axis) not in self.x:
                 raise InfeasibleError(
@@ -352,6 +365,20 @@ class _Program:
             )
         self.lp.add_row(row, upper=budget - constant)
 
+    def add_batch_preference(self) -> None:
+        """Reward each split of an input's batch dim over a data axis by more
+        than every other cost together: any plan that splits the batch beats
+        every plan that does not, and among those the costs decide."""
+        if self.batch_split != "preferred" or not self.batch_vars:
+            return
+        positive = sum(
+            cost * self.lp.upper[var]
+            for var, cost in enumerate(self.lp.costs)
+            if cost > 0
+        )
+        for var in self.batch_vars:
+            self.lp.add_cost(var, -(positive + 1.0))
+
     # ---------------------------------------------------------------- solve
     def solve(self) -> Assignment:
         values = self.lp.solve(time_limit_s=self.options.time_limit_s)
@@ -382,8 +409,19 @@ def search(
 
     Returns:
         The optimal `Assignment` (raises `InfeasibleError` if none fits).
+        Every input's batch dim is split over the data axes when that can
+        hold; when it cannot (an op that mixes the batch with other dims, a
+        batch that does not divide), the best plan that leaves it whole.
     """
-    program = _Program(graph, axes, options, pins or Pins())
+    try:
+        return _solve(graph, axes, options, pins or Pins(), "forced")
+    except InfeasibleError as forced_error:
+        logger.info("Batch split cannot be forced (%s); preferring it.", forced_error)
+        return _solve(graph, axes, options, pins or Pins(), "preferred")
+
+
+def _solve(graph, axes, options, pins, batch_split) -> Assignment:
+    program = _Program(graph, axes, options, pins, batch_split)
     program.add_class_vars()
     program.add_fsdp_vars()
     program.add_conflicts()
@@ -391,6 +429,7 @@ def search(
     program.add_table_exchanges()
     program.add_replicated_math_penalty()
     program.add_memory_budget()
+    program.add_batch_preference()
     logger.info(
         "Planning MILP: %d variables, %d constraints",
         program.lp.num_vars,
@@ -419,6 +458,29 @@ def _batch_classes(graph: AxisGraph) -> set[int]:
         for t in graph.tensors
         if t.kind == "input" and t.dim_classes and t.dim_classes[0] is not None
     }
+
+
+def batch_carrying_classes(graph: AxisGraph) -> set[int]:
+    """Classes that carry the batch: the inputs' leading dims and every class
+    linked to one by a reshape merge or split, slice or repeat (`b·s` tokens
+    flattened for a router, the batch split back out of them).
+
+    Args:
+        graph: The model's axis graph.
+
+    Returns:
+        Class ids a data axis may cut.
+    """
+    carrying = set(_batch_classes(graph))
+    grew = True
+    while grew:
+        grew = False
+        for edge in graph.slice_edges:
+            ends = {edge.source, edge.target}
+            if ends & carrying and not ends <= carrying:
+                carrying |= ends
+                grew = True
+    return carrying
 
 
 def _fsdp_dims(tensor: TensorNode, axis_size: int) -> list[int]:

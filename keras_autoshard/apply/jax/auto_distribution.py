@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -74,6 +75,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         self._planned_models: weakref.WeakSet = weakref.WeakSet()
         self._planning_models: weakref.WeakSet = weakref.WeakSet()
         self._stale_step_functions: weakref.WeakSet = weakref.WeakSet()
+        self._warned_batch_whole = False
         self._plans_shared = 0
 
     # ------------------------------------------------------------- the plan
@@ -180,6 +182,15 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         self._batch_dim_name = plan.batch_axis
         self._applied = applied
         relayout_model(model, applied)
+        self._warn_if_batch_kept_whole(plan)
+
+    def _warn_if_batch_kept_whole(self, plan: ShardingPlan) -> None:
+        """Say once, loudly, when the plan leaves the batch whole on a data
+        axis (the plan's notes say why)."""
+        whole = [note for note in plan.notes if note.startswith("The batch of")]
+        if whole and not self._warned_batch_whole:
+            self._warned_batch_whole = True
+            warnings.warn(" ".join(whole), stacklevel=3)
 
     # ------------------------------------------------- Distribution protocol
     @property

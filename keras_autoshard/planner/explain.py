@@ -1,0 +1,154 @@
+"""Why a plan is what it is: the reason given for each variable and the
+plan's notes (what was kept whole and why, the batch split, the estimate)."""
+
+from __future__ import annotations
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.cost_model import Assignment, PlanCost
+from keras_autoshard.planner.search import batch_carrying_classes
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec
+from keras_autoshard.plans.plan_table import format_bytes
+
+
+def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> list[str]:
+    """Why the batch is not split over the mesh's data axes, when it is not.
+
+    Args:
+        graph: The model's axis graph.
+        mesh: The plan's mesh.
+        assignment: The chosen sharding.
+
+    Returns:
+        One note per input whose batch dim stays whole on a data axis of
+        size > 1, naming the input, its batch size and what kept it whole.
+    """
+    data_axes = {
+        name: size
+        for name, size in zip(mesh.axis_names, mesh.shape)
+        if name in DATA_AXIS_NAMES and size > 1
+    }
+    if not data_axes:
+        return []
+    notes = []
+    carrying = batch_carrying_classes(graph)
+    for tensor in graph.tensors:
+        if tensor.kind != "input" or not tensor.dim_classes:
+            continue
+        cls_id = tensor.dim_classes[0]
+        if cls_id is not None and assignment.class_axis.get(cls_id) in data_axes:
+            continue
+        batch = tensor.shape[0] if tensor.shape else 1
+        axes_text = ", ".join(f"{n!r} (size {s})" for n, s in data_axes.items())
+        why = _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying)
+        notes.append(
+            f"The batch of input {tensor.name!r} ({batch} rows) is not split over "
+            f"{axes_text}: every device of that axis computes the whole batch. "
+            f"Why: {why}"
+        )
+    return notes
+
+
+def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
+    if cls_id is None:
+        return "the batch has one row."
+    not_dividing = [n for n, s in data_axes.items() if batch % s]
+    if not_dividing:
+        size = data_axes[not_dividing[0]]
+        return (
+            f"{batch} rows do not divide {not_dividing[0]!r} (size {size}); use a "
+            f"batch size that is a multiple of {size}."
+        )
+    linked = sorted(
+        {
+            graph.classes[c].unshardable_reason
+            for c in carrying
+            if graph.classes[c].unshardable_reason is not None
+        }
+    )
+    if linked:
+        return "; ".join(linked) + "."
+    reasons = sorted(
+        {
+            edge.reason or "a reshape"
+            for edge in graph.slice_edges
+            if {edge.source, edge.target} & carrying
+        }
+    )
+    if reasons:
+        return (
+            "splitting it conflicts with how the batch is reshaped or sliced ("
+            + ", ".join(reasons)
+            + ") together with the other choices of the plan."
+        )
+    return "a dimension that carries the batch cannot take the data axis."
+
+
+def variable_reason(tensor, spec, var_roles, assignment) -> str:
+    parts = []
+    fsdp_dims = {d for d, _ in assignment.fsdp.get(tensor.name, ())}
+    for dim, axis in enumerate(spec):
+        role = var_roles[dim] or "dim"
+        if axis is None:
+            continue
+        how = "FSDP storage" if dim in fsdp_dims else "follows the computation"
+        parts.append(f"{role} (dim {dim}) on {axis!r}: {how}")
+    if not parts:
+        return "replicated: sharding it would add communication or break no tie"
+    return "; ".join(parts)
+
+
+def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
+    """The plan's notes: what was kept whole and why, and the estimate."""
+    notes = batch_notes(graph, mesh, assignment)
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    for edge in graph.slice_edges:
+        target_axis = assignment.class_axis.get(edge.target)
+        source_axis = assignment.class_axis.get(edge.source)
+        if target_axis is not None and source_axis != target_axis:
+            source = graph.classes[edge.source]
+            if edge.reason == "repeat":
+                notes.append(
+                    f"GQA/MQA: {source.size} key/value heads cannot be split over "
+                    f"{target_axis!r} (size {sizes[target_axis]}); they are "
+                    "replicated and each device slices the query-head groups it "
+                    "owns (one all-reduce of the key/value activations in the "
+                    "backward pass)."
+                )
+            else:
+                notes.append(
+                    f"A dimension of size {source.size} is kept whole on "
+                    f"{target_axis!r} while the dimension taken from it "
+                    f"({edge.reason}, size {graph.classes[edge.target].size}) is "
+                    f"split over {target_axis!r}: each device slices its part "
+                    "locally, and the gradient is all-reduced in the backward pass."
+                )
+    for cls_id, role in roles.items():
+        if role != "vocab":
+            continue
+        cls = graph.classes[cls_id]
+        if cls_id not in assignment.class_axis:
+            bad = [n for n, s in sizes.items() if s > 1 and cls.size % s]
+            if bad:
+                notes.append(
+                    f"Vocabulary of {cls.size} does not divide mesh axis "
+                    f"{bad[0]!r} (size {sizes[bad[0]]}): the embedding is kept "
+                    "whole along it (replicated, or FSDP-sharded on another dim). "
+                    "Pad the vocabulary to a multiple to shard it."
+                )
+    for name, count in graph.unknown_primitives:
+        notes.append(
+            f"Unknown primitive {name!r} ({count}x): its tensors' axes were left "
+            "unsharded (conservative)."
+        )
+    notes.append(
+        f"Estimated per device: parameters {format_bytes(cost.parameter_bytes)}, "
+        f"gradients {format_bytes(cost.gradient_bytes)}, optimizer "
+        f"{format_bytes(cost.optimizer_bytes)}, activations "
+        f"{format_bytes(cost.activation_bytes)}; communication "
+        f"{format_bytes(cost.communication_bytes)} per step ("
+        + ", ".join(
+            f"{a} {format_bytes(b)}" for a, b in cost.communication_by_axis.items()
+        )
+        + ")."
+    )
+    return notes

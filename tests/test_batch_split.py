@@ -1,0 +1,100 @@
+"""The batch is split over data axes wherever a dim carries it, and a plan is
+always found without rules or budget: models written here, each the
+smallest case of a pattern real models have."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_autoshard as ka
+from tests.parity import check_parity
+
+MESH_2x4 = ka.MeshSpec((2, 4), ("batch", "model"))
+MESH_8x1 = ka.MeshSpec((8, 1), ("batch", "model"))
+MESH_4x2 = ka.MeshSpec((4, 2), ("batch", "model"))
+
+
+class TokenRouter(keras.layers.Layer):
+    """Flattens (b, s, h) to (b·s, h) tokens, projects, and restores (b, s, .),
+    as every MoE router does."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.project = keras.layers.Dense(units, name="router_project")
+
+    def call(self, x):
+        _, seq, hidden = x.shape
+        tokens = keras.ops.reshape(x, (-1, hidden))
+        routed = self.project(tokens)
+        return keras.ops.reshape(routed, (-1, seq, routed.shape[-1]))
+
+
+def token_flattening_model():
+    inputs = keras.Input((16, 32), name="features")
+    hidden = keras.layers.Dense(64, name="up")(inputs)
+    hidden = TokenRouter(32, name="router")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
+
+
+def two_tower_model():
+    """Image and text towers meeting in one (B, B) similarity matrix, as in
+    contrastive (CLIP/SigLIP) models: two batch dims in one tensor."""
+    images = keras.Input((24,), name="images")
+    texts = keras.Input((12,), name="texts")
+    image_embedding = keras.layers.Dense(16, name="image_tower")(images)
+    text_embedding = keras.layers.Dense(16, name="text_tower")(texts)
+    logits = keras.ops.matmul(image_embedding, keras.ops.transpose(text_embedding))
+    return keras.Model([images, texts], logits)
+
+
+def _features(rows=8):
+    return np.random.default_rng(0).standard_normal((rows, 16, 32)).astype("float32")
+
+
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_8x1], ids=str)
+def test_token_flattening_splits_the_batch_and_trains_like_one_device(mesh):
+    x = _features()
+    y = np.random.default_rng(1).standard_normal((8, 16, 8)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=mesh)
+    check_parity(token_flattening_model, dist, x, y, steps=2)
+    assert dist.plan.batch_axis == "batch"
+    assert not [n for n in dist.plan.notes if n.startswith("The batch of")]
+
+
+def test_two_batch_dims_in_one_tensor_split_one_and_keep_the_other_whole():
+    rng = np.random.default_rng(0)
+    x = [
+        rng.standard_normal((8, 24)).astype("float32"),
+        rng.standard_normal((8, 12)).astype("float32"),
+    ]
+    y = rng.standard_normal((8, 8)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=MESH_2x4)
+    check_parity(two_tower_model, dist, x, y, steps=2)
+    # One of the two inputs' batch is split, the other is kept whole and
+    # the notes name it.
+    assert dist.plan.batch_axis == "batch"
+    whole = [n for n in dist.plan.notes if n.startswith("The batch of")]
+    assert len(whole) == 1 and "8 rows" in whole[0], dist.plan.notes
+
+
+def test_a_batch_that_does_not_divide_the_data_axis_is_planned_whole_with_a_note():
+    plan = ka.plan(token_flattening_model, MESH_4x2, sample_input=_features(6))
+    assert plan.batch_axis is None
+    (note,) = [n for n in plan.notes if n.startswith("The batch of")]
+    assert "6 rows do not divide 'batch' (size 4)" in note
+    assert "multiple of 4" in note
+
+
+def test_auto_shard_distribution_warns_once_when_the_batch_stays_whole():
+    dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)
+    with dist.scope():
+        model = token_flattening_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.prepare(model, _features(6))
+        dist.prepare(model, _features(6))
+    batch_warnings = [w for w in caught if "The batch of" in str(w.message)]
+    assert len(batch_warnings) == 1
+    assert "do not divide 'batch'" in str(batch_warnings[0].message)
