@@ -98,3 +98,51 @@ def test_auto_shard_distribution_warns_once_when_the_batch_stays_whole():
     batch_warnings = [w for w in caught if "The batch of" in str(w.message)]
     assert len(batch_warnings) == 1
     assert "do not divide 'batch'" in str(batch_warnings[0].message)
+
+
+def _dense_250():
+    inputs = keras.Input((32,), name="features")
+    return keras.Model(inputs, keras.layers.Dense(250, name="dense")(inputs))
+
+
+def test_a_rule_that_cuts_a_dim_the_axis_does_not_divide_names_rule_dim_and_size():
+    x = np.zeros((8, 32), "float32")
+    with pytest.raises(ka.PlanError) as raised:
+        ka.plan(
+            _dense_250, MESH_2x4, sample_input=x, rules={"dense/kernel": (None, "model")}
+        )
+    message = str(raised.value)
+    for fact in ("'dense/kernel'", "dim 1", "size 250", "'model' (size 4)"):
+        assert fact in message, message
+
+
+@pytest.mark.parametrize(
+    "budget, expected", [("1GiB", 2**30), ("80GB", 80 * 10**9), (4096, 4096)]
+)
+def test_memory_budget_takes_bytes_or_size_strings(budget, expected):
+    from keras_autoshard.plans.units import byte_size
+
+    assert byte_size(budget) == expected
+    dist = ka.AutoShardDistribution(device_mesh=MESH_2x4, memory_budget=budget)
+    assert dist._memory_budget == expected
+
+
+@pytest.mark.parametrize("budget", ["1 lightyear", -5, [1], True])
+def test_a_memory_budget_that_is_not_a_size_is_a_clear_error(budget):
+    with pytest.raises(ka.PlanError, match="A size must"):
+        ka.plan(
+            token_flattening_model,
+            MESH_2x4,
+            sample_input=_features(),
+            memory_budget=budget,
+        )
+
+
+def test_a_one_kib_budget_string_is_a_budget_error_not_a_type_error():
+    with pytest.raises(ka.PlanError, match="No plan fits a per-device budget of"):
+        ka.plan(
+            token_flattening_model,
+            MESH_2x4,
+            sample_input=_features(),
+            memory_budget="1KiB",
+        )

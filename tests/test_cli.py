@@ -177,6 +177,17 @@ def test_a_budget_no_plan_fits_is_an_error_without_traceback():
     assert "Traceback" not in result.stderr
 
 
+def test_a_config_that_builds_a_degenerate_model_is_refused_naming_the_field():
+    config = (
+        '{"vocabulary_size": 64, "num_layers": -1, "num_heads": 2, '
+        '"hidden_dim": 16, "intermediate_dim": 32, "max_sequence_length": 8}'
+    )
+    result = run_cli("plan", "--hub", "GPT2Backbone", "--config", config)
+    assert result.returncode == 1, explain(result)
+    assert "--config field 'num_layers' of GPT2Backbone is -1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_a_builder_that_cannot_be_imported_is_an_error_without_traceback():
     result = run_cli("plan", "--builder", "no_such_module:build", "--mesh", "1x8")
     assert result.returncode == 1, explain(result)
@@ -191,7 +202,7 @@ def test_a_builder_that_cannot_be_imported_is_an_error_without_traceback():
         (["plan", "--hub", "GPT2Backbone", "--mesh", "2by4"], "mesh must look like"),
         (
             ["plan", "--hub", "GPT2Backbone", "--memory-budget", "lots"],
-            "a size must look like 16GiB",
+            "size must look like 16GiB",
         ),
         (
             ["plan", "--keras-file", "m.keras", "--config", "{}"],

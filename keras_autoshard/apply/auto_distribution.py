@@ -32,7 +32,8 @@ class AutoShardDistribution(Distribution):
         device_mesh: A `keras.distribution.DeviceMesh` (or `MeshSpec`). When
             `None`, the planner picks a (data, model) mesh shape over all
             devices by cost.
-        memory_budget: Per-device bytes for parameters and optimizer state;
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state;
             `None` means no limit.
         rules: Regular expression on variable path → spec, pinned; the
             planner fills in the rest.

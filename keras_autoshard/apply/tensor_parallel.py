@@ -63,7 +63,8 @@ class TensorParallel(keras.Model):
             `TensorFlowTensorParallel`).
         sample_input: One global batch of inputs to plan with now instead of
             on the first batch.
-        memory_budget: Per-device bytes for parameters and optimizer state
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state
             given to the planner; `None` for no limit.
         rules: Variable path regex → partition spec, pinned in the plan.
         **kwargs: Passed to `keras.Model` (`name`, ...).

@@ -22,60 +22,25 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from keras_autoshard.errors import ModelSourceError  # noqa: F401
+from keras_autoshard.errors import (
+    ModelSourceError,  # noqa: F401
+    PlanError,
+)
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.sharding_plan import MeshSpec
-
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_BYTE_SIZE = re.compile(
-    r"^\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-zA-Z]*)\s*$"
-)
+from keras_autoshard.plans.units import byte_size
 
 
 def parse_byte_size(text: str) -> int:
-    """`"16GiB"` → 17179869184.
-
-    Binary units (KiB, MiB, GiB, TiB, and K, M, G, T) and decimal ones (KB,
-    MB, GB, TB); a bare number is bytes.
-
-    Args:
-        text: A number with an optional unit, case-insensitive.
-
-    Returns:
-        The size in bytes.
+    """`"16GiB"` → 17179869184, for argparse (see `plans.units.byte_size`).
 
     Raises:
-        argparse.ArgumentTypeError: for anything else.
-
-    Example:
-
-    ```python
-    parse_byte_size("1.5GiB")  # 1610612736
-    parse_byte_size("512MB")   # 512000000
-    ```
+        argparse.ArgumentTypeError: for anything that is not a size.
     """
-    match = _BYTE_SIZE.match(text)
-    unit = match.group("unit").lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"a size must look like 16GiB, 512MiB, 8GB or 1073741824, got {text!r}"
-        )
-    return int(float(match.group("number")) * _BYTE_UNITS[unit])
+    try:
+        return byte_size(text)
+    except PlanError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:
@@ -182,15 +147,52 @@ def hub_source(class_name: str, config: dict) -> ModelSource:
             "GemmaBackbone, LlamaBackbone."
         )
 
+    check_sizes_are_positive(class_name, config)
+
     def build():
         try:
-            return model_class(**config)
-        except TypeError as error:
+            model = model_class(**config)
+        except (TypeError, ValueError) as error:
             raise ModelSourceError(
                 f"{class_name}(**config) failed: {error}. Check the keys of --config."
             ) from error
+        if not model.weights:
+            raise ModelSourceError(
+                f"{class_name}(**config) built a model with no weights: check "
+                "the layer counts and sizes of --config."
+            )
+        return model
 
     return ModelSource(f"KerasHub {class_name}", build)
+
+
+# Constructor arguments that count or size something: zero or less builds a
+# model with nothing in it (KerasHub accepts `num_layers=-1` and builds none).
+_SIZE_ARGUMENT = re.compile(r"^(num_\w+|\w+_(dim|size|layers|heads|experts|length))$")
+
+
+def check_sizes_are_positive(class_name: str, config: dict) -> None:
+    """Refuse counts and sizes of zero or less, naming the field.
+
+    Args:
+        class_name: The model class, for the message.
+        config: Its constructor arguments.
+
+    Raises:
+        ModelSourceError: a count or size argument that is not positive.
+    """
+    for field, value in sorted(config.items()):
+        if (
+            _SIZE_ARGUMENT.match(field)
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value <= 0
+        ):
+            raise ModelSourceError(
+                f"--config field {field!r} of {class_name} is {value}: it counts "
+                "or sizes part of the model and must be at least 1 (a value of "
+                f"{value} builds an empty or degenerate model)."
+            )
 
 
 def builder_source(spec: str, config: dict) -> ModelSource:

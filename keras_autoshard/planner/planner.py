@@ -38,6 +38,7 @@ from keras_autoshard.plans.sharding_plan import (
     ShardingPlan,
     VariableSharding,
 )
+from keras_autoshard.plans.units import optional_byte_size
 from keras_autoshard.plans.validation import validate_plan_structure
 from keras_autoshard.progress import progress_bar
 
@@ -58,7 +59,7 @@ def plan(
     model_or_builder: keras.Model | Callable[[], keras.Model],
     device_mesh: MeshSpec | keras.distribution.DeviceMesh | None = None,
     sample_input=None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
     device_count: int | None = None,
     optimizer_slots: int = 2,
@@ -75,7 +76,8 @@ def plan(
             devices by default) is planned and the cheapest is kept.
         sample_input: One batch of inputs (arrays, a dict of arrays, or
             `jax.ShapeDtypeStruct`s with the global batch size).
-        memory_budget: Per-device bytes for the state kept between steps
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for the state kept between steps
             (parameters and optimizer state); `None` for no limit.
         rules: Regular expression on variable path → spec, pinned as given;
             the planner fills in the rest. A rule matching nothing is an error.
@@ -114,13 +116,14 @@ def plan_with_cost(
     model_or_builder,
     device_mesh=None,
     sample_input=None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
     device_count: int | None = None,
     optimizer_slots: int = 2,
     progress: bool = False,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
+    memory_budget = optional_byte_size(memory_budget)
     from keras_autoshard.graph.builder import build_axis_graph
     from keras_autoshard.trace.tracer import build_abstract, trace_model
 
@@ -208,6 +211,7 @@ def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
         if size > 1
     )
     pinned_specs = _pinned_specs(variables, rules)
+    _check_rules_against_shapes(variables, rules, mesh)
     pins = _pins_from_specs(graph, pinned_specs, mesh)
     assignment = search(graph, axes, options, pins)
     cost = evaluate(graph, axes, assignment, options)
@@ -219,6 +223,40 @@ def _pinned_specs(variables, rules) -> dict[str, tuple]:
         return {}
     matched = match_rules([v.path for v in variables], rules)
     return {path: spec for path, (_, spec) in matched.items()}
+
+
+def _check_rules_against_shapes(variables, rules, mesh: MeshSpec) -> None:
+    """Every rule's spec fits its variables on `mesh`, before any search: the
+    error names the rule, variable, dim, size and mesh axis."""
+    if not rules:
+        return
+    shapes = {v.path: tuple(v.shape) for v in variables}
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    matched = match_rules(list(shapes), rules)
+    for path, (rule, spec) in sorted(matched.items()):
+        shape = shapes[path]
+        where = f"Rule {rule!r} (spec {tuple(spec)}) on variable {path!r} {shape}"
+        if len(spec) != len(shape):
+            raise PlanError(
+                f"{where}: the spec has {len(spec)} entries, the variable "
+                f"{len(shape)} dims. Give one mesh axis or None per dim."
+            )
+        named = [axis for axis in spec if axis is not None]
+        for axis in named:
+            if axis not in sizes:
+                raise PlanError(
+                    f"{where}: mesh axis {axis!r} is not in the mesh {mesh.describe()}."
+                )
+        if len(set(named)) != len(named):
+            raise PlanError(f"{where}: a mesh axis may cut only one dim of a tensor.")
+        for dim, axis in enumerate(spec):
+            if axis is not None and shape[dim] % sizes[axis]:
+                raise PlanError(
+                    f"{where}: dim {dim} has size {shape[dim]}, which mesh axis "
+                    f"{axis!r} (size {sizes[axis]}) does not divide. Cut another "
+                    "dim, use a mesh axis that divides it, or pad the layer to "
+                    f"a multiple of {sizes[axis]}."
+                )
 
 
 def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pins:

@@ -41,7 +41,7 @@ def planning_request(
     model: keras.Model,
     device_mesh: MeshSpec,
     sample_input,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
 ) -> dict[str, Any]:
     """What the JAX planning subprocess needs, as JSON-able data.
@@ -53,7 +53,8 @@ def planning_request(
         device_mesh: The mesh to plan for.
         sample_input: One global batch (anything with `shape` and a dtype
             whose name, without a `torch.` prefix, Keras knows).
-        memory_budget: Per-device bytes for parameters and optimizer state.
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
 
     Returns:

@@ -1,7 +1,8 @@
 """`CompiledReport`: per-device bytes and collectives of compiled steps.
 
 Plain data filled in by `report/compiled_program.py`: variable shard sizes
-are read from the arrays' addressable shards, collectives from the optimized HLO, memory from XLA's analysis.
+are read from the arrays' addressable shards, collectives from the optimized
+HLO, memory from XLA's analysis.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from keras_autoshard.apply.jax.plan_distribution import (
 )
 from keras_autoshard.plans.mesh import DATA_AXIS, DATA_AXIS_NAMES, MODEL_AXIS, Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
+from keras_autoshard.plans.units import optional_byte_size
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
     def __init__(
         self,
         device_mesh=None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
         sample_input=None,
         auto_shard_dataset: bool = True,
@@ -66,7 +67,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
             else make_device_mesh(provisional)
         )
         super().__init__(keras_mesh, None, auto_shard_dataset)
-        self._memory_budget = memory_budget
+        self._memory_budget = optional_byte_size(memory_budget)
         self._rules = dict(rules) if rules else None
         self._sample_input = sample_input
         self._applied: PlanDistribution | None = None

@@ -58,7 +58,7 @@ class JaxTensorParallel(TensorParallel):
         device_ids: Sequence[str | int] | None = None,
         distributed_backend: str = "auto",
         sample_input=None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
         **kwargs,
     ):

@@ -28,6 +28,7 @@ from keras_autoshard.errors import TensorFlowModelParallelError  # noqa: F401
 from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
+from keras_autoshard.plans.units import optional_byte_size
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class TensorFlowAutoShardDistribution(AutoShardDistribution):
         device_mesh: `None` (every device on a data axis), or a `MeshSpec` /
             `keras.distribution.DeviceMesh` whose axes larger than 1 are all
             data axes (`"batch"`, `"data"`, ...).
-        memory_budget: Per-device bytes for parameters and optimizer state,
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state,
             checked by `prepare`.
         rules: Regular expression on variable path → spec, for `prepare`.
         sample_input: A batch for `prepare` when none is given there.
@@ -225,7 +227,7 @@ class TensorFlowAutoShardDistribution(AutoShardDistribution):
     def __init__(
         self,
         device_mesh=None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
         sample_input=None,
         auto_shard_dataset: bool = True,
@@ -233,7 +235,7 @@ class TensorFlowAutoShardDistribution(AutoShardDistribution):
         devices = keras.distribution.list_devices()
         self._mesh = data_parallel_mesh(device_mesh, len(devices))
         self._devices = tuple(devices[: self._mesh.device_count])
-        self._memory_budget = memory_budget
+        self._memory_budget = optional_byte_size(memory_budget)
         self._rules = dict(rules) if rules else None
         self._sample_input = sample_input
         self._plan: ShardingPlan | None = None

@@ -29,7 +29,7 @@ def plan_for_tensorflow(
     model: keras.Model,
     device_mesh: MeshSpec,
     sample_input,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
 ) -> ShardingPlan:
     """Plan a TensorFlow-backend model with the JAX planner, in a subprocess.
@@ -40,7 +40,8 @@ def plan_for_tensorflow(
         device_mesh: The mesh to plan for.
         sample_input: One global batch of inputs: arrays, `tf.Tensor`s, or
             anything with `shape` and `dtype` (dicts and lists of them too).
-        memory_budget: Per-device bytes for parameters and optimizer state.
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
 
     Returns:

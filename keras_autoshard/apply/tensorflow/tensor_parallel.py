@@ -33,6 +33,7 @@ from keras_autoshard.apply.tensorflow.data_parallel import (
 )
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
+from keras_autoshard.plans.units import optional_byte_size
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class TensorFlowTensorParallel(TensorParallel):
         distributed_backend: `"tensorflow"` or `"auto"` (what
             `TensorParallel` dispatched on).
         sample_input: One global batch to plan with now.
-        memory_budget: Per-device bytes for parameters and optimizer state;
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state;
             a budget that only a cut variable would meet is refused.
         rules: Variable path regex → spec, for the planner.
         **kwargs: Passed to `keras.Model` (`name`, ...).
@@ -88,7 +90,7 @@ class TensorFlowTensorParallel(TensorParallel):
         device_ids: Sequence[str | int] | None = None,
         distributed_backend: str = "tensorflow",
         sample_input=None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
         **kwargs,
     ):
@@ -109,7 +111,7 @@ class TensorFlowTensorParallel(TensorParallel):
         with self.strategy.scope():
             super().__init__(**kwargs)
             self.wrapped_model = self._materialize(model)
-        self._memory_budget = memory_budget
+        self._memory_budget = optional_byte_size(memory_budget)
         self._rules = None if rules is None else dict(rules)
         self._plan: ShardingPlan | None = None
         if self.wrapped_model.built:

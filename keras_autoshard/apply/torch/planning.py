@@ -32,7 +32,7 @@ def plan_for_torch(
     model: keras.Model,
     device_mesh: MeshSpec,
     sample_input,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
 ) -> ShardingPlan:
     """Plan a torch-backend model with the JAX planner; the same plan on all ranks.
@@ -44,7 +44,8 @@ def plan_for_torch(
         device_mesh: The mesh to plan for.
         sample_input: One global batch of inputs (arrays or anything with
             `shape` and `dtype`).
-        memory_budget: Per-device bytes for parameters and optimizer state.
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
 
     Returns:

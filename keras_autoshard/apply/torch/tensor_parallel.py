@@ -20,6 +20,7 @@ from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.units import optional_byte_size
 from keras_autoshard.runtime.torch_processes import ensure_process_group
 
 
@@ -40,7 +41,8 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
             dispatched on).
         sample_input: One batch of this rank's inputs, to plan now instead of
             on the first batch.
-        memory_budget: Per-device bytes for parameters and optimizer state.
+        memory_budget: Per-device bytes (a number, or a string such as
+            `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
         plan: A ready `ShardingPlan` (e.g. made under JAX), used as given.
 
@@ -62,7 +64,7 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         device_ids: Sequence[str | int] | None = None,
         distributed_backend: str = "torch",
         sample_input=None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
         plan: ShardingPlan | None = None,
         **kwargs,
@@ -97,7 +99,7 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         self.wrapped_model = model
         self.world_size = world_size
         self.mesh = MeshSpec((ranks // world_size, world_size), (DATA_AXIS, MODEL_AXIS))
-        self._memory_budget = memory_budget
+        self._memory_budget = optional_byte_size(memory_budget)
         self._rules = rules
         if plan is not None:
             self._shard(plan, torch_device_mesh(plan.mesh))
