@@ -14,6 +14,7 @@ import importlib
 _PUBLIC_NAMES = {
     "ActivationLayout": "keras_autoshard.plans.sharding_plan",
     "AutoShardError": "keras_autoshard.errors",
+    "BatchSizeError": "keras_autoshard.errors",
     "MeshSpec": "keras_autoshard.plans.sharding_plan",
     "PlanError": "keras_autoshard.plans.sharding_plan",
     "ShardingPlan": "keras_autoshard.plans.sharding_plan",

@@ -69,3 +69,7 @@ class BenchmarkSetupError(AutoShardError, RuntimeError):
 
 class HloParseError(AutoShardError, ValueError):
     """Optimized HLO text that cannot be read as expected."""
+
+
+class BatchSizeError(PlanError):
+    """A batch that the data axis cannot split evenly."""

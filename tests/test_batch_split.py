@@ -146,3 +146,50 @@ def test_a_one_kib_budget_string_is_a_budget_error_not_a_type_error():
             sample_input=_features(),
             memory_budget="1KiB",
         )
+
+
+def _mlp():
+    inputs = keras.Input((16,), name="features")
+    hidden = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="down")(hidden))
+
+
+def _mlp_data(rows):
+    rng = np.random.default_rng(0)
+    return (
+        rng.standard_normal((rows, 16)).astype("float32"),
+        rng.standard_normal((rows, 4)).astype("float32"),
+    )
+
+
+@pytest.mark.parametrize("planned_before", [False, True], ids=["first", "later"])
+def test_a_partial_last_batch_is_a_clear_error_and_the_model_still_trains(
+    planned_before,
+):
+    x, y = _mlp_data(16)
+    dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)
+    with dist.scope():
+        model = _mlp()
+        model.compile(optimizer="adam", loss="mse")
+        if planned_before:
+            model.fit(x, y, batch_size=8, verbose=0)
+        with pytest.raises(ka.BatchSizeError) as raised:
+            model.fit(x[:10], y[:10], batch_size=8, verbose=0)
+        message = str(raised.value)
+        for fact in ("the last batch has 2 rows", "'batch' (size 4)", "drop"):
+            assert fact in message, message
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert dist.plan.batch_axis == "batch"
+
+
+def test_a_first_batch_that_does_not_divide_the_data_axis_is_a_clear_error():
+    x, y = _mlp_data(12)
+    dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)
+    with dist.scope():
+        model = _mlp()
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(x[:8], y[:8], batch_size=8, verbose=0)
+        with pytest.raises(ka.BatchSizeError, match="this batch has 6 rows"):
+            model.fit(x, y, batch_size=6, verbose=0)
+        model.fit(x[:8], y[:8], batch_size=4, verbose=0)

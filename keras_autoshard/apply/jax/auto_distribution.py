@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -30,6 +29,10 @@ from keras_autoshard.apply.jax.device_mesh import default_mesh_shape, make_devic
 from keras_autoshard.apply.jax.plan_distribution import (
     PlanDistribution,
     require_jax_backend,
+)
+from keras_autoshard.apply.jax.trainer_calls import (
+    check_batch_sizes,
+    trainer_call_asking,
 )
 from keras_autoshard.plans.mesh import DATA_AXIS, DATA_AXIS_NAMES, MODEL_AXIS, Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
@@ -211,12 +214,18 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         `predict`, the `*_on_batch` methods) distributes a batch. When the
         model behind that call has not been planned yet, it is planned here,
         on that batch, before Keras records its state shardings (found by
-        `_trainer_call_asking`).
+        `trainer_call_asking`), and checks that every batch of the call
+        (the first, the last) splits over the data axis.
         """
-        model, batch = _trainer_call_asking()
-        if model is not None and batch is not None:
-            self._plan_on_first_batch(model, batch)
-            self._remake_stale_step_functions(model)
+        call = trainer_call_asking()
+        if call is not None and call.batch is not None:
+            self._plan_on_first_batch(call.model, call.batch)
+            self._remake_stale_step_functions(call.model)
+        if call is not None and self._applied is not None:
+            axis = self._applied.batch_dim_name
+            if axis is not None:
+                size = self._applied.local_batch_axis_size()
+                check_batch_sizes(call, data_shape, axis, size)
         if self._applied is None:
             # No plan and no trainer call to plan from: keep the batch whole.
             return TensorLayout([None] * len(data_shape), self.device_mesh)
@@ -330,50 +339,6 @@ def _as_mesh_spec(device_mesh) -> MeshSpec | None:
     if isinstance(device_mesh, MeshSpec):
         return device_mesh
     return MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))
-
-
-# Keras trainer methods that distribute batches, and the locals of Keras's
-# data-distribution functions that hold the batch being distributed.
-_TRAINER_METHODS = frozenset(
-    {
-        "_symbolic_build",
-        "fit",
-        "evaluate",
-        "predict",
-        "train_on_batch",
-        "test_on_batch",
-        "predict_on_batch",
-    }
-)
-_BATCH_HOLDERS = frozenset({"_distribute_data", "_get_distributed_iterator"})
-
-
-def _trainer_call_asking():
-    """The (model, batch) of the Keras trainer call that asked for a layout.
-
-    Keras's `Distribution` protocol hands a distribution shapes, never the
-    model. Planning on the first batch needs both, so this reads them off the
-    call stack, read-only: the nearest Keras data-distribution frame holds
-    the batch (its `data`), the nearest trainer-method frame its model
-    (`self`). Nothing is assigned to Keras, and only the model of that call
-    is affected; see docs/concepts.md ("When a model is planned").
-
-    Returns:
-        `(model, batch)`, or `(None, None)` when no trainer call is asking
-        (for instance a user calling `get_data_layout` directly).
-    """
-    frame = sys._getframe(2)
-    batch = None
-    while frame is not None:
-        name = frame.f_code.co_name
-        if batch is None and name in _BATCH_HOLDERS:
-            batch = frame.f_locals.get("data")
-        if name in _TRAINER_METHODS:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Model):
-                return owner, batch
-        frame = frame.f_back
-    return None, None
 
 
 def _symbolic(x):

@@ -94,7 +94,7 @@ class PlanDistribution(Distribution):
         spec = [None] * len(data_shape)
         if self.batch_dim_name is not None and len(data_shape) > 0:
             batch_size = data_shape[0]
-            axis_size = self._local_batch_axis_size()
+            axis_size = self.local_batch_axis_size()
             if batch_size is not None and batch_size % axis_size:
                 raise PlanError(
                     f"Batch of size {batch_size} (input shape {tuple(data_shape)}) "
@@ -106,7 +106,7 @@ class PlanDistribution(Distribution):
             spec[0] = self.batch_dim_name
         return TensorLayout(spec, self.device_mesh)
 
-    def _local_batch_axis_size(self) -> int:
+    def local_batch_axis_size(self) -> int:
         """Batch-axis positions this process feeds (all of them on one process)."""
         from keras_autoshard.runtime import jax_processes as multiprocess
 
