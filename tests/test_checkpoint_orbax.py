@@ -334,3 +334,29 @@ def test_save_progress_bar_counts_this_process_shard_bytes(tmp_path, capfd):
     assert "saving step 1 (MiB)" in bar
     assert f"{weights_mib:.0f}/{weights_mib:.0f}" in bar.replace(" ", "")
     assert complete_steps(tmp_path / "ckpt") == [1]
+
+
+def test_restore_into_a_second_model_whose_optimizer_keras_named_adam_1(tmp_path):
+    # Keras names optimizers by a process-wide counter: the restoring model's
+    # Adam is "adam_1" (or later), the saving model's was not.
+    distribution = PlanDistribution(mlp_plan(MESH_2x4))
+    keras.utils.set_random_seed(0)
+    with distribution.scope():
+        saved = models.build_mlp_block()
+        saved.compile(optimizer="adam", loss="mse")
+        x, y = models.mlp_batch(seed=0)
+        for _ in range(2):
+            saved.train_on_batch(x, y)
+    save_checkpoint(saved, str(tmp_path), step=1, plan=distribution.plan)
+    with distribution.scope():
+        restored = models.build_mlp_block()
+        restored.compile(optimizer="adam", loss="mse")
+        restored.optimizer.build(restored.trainable_variables)
+    assert saved.optimizer.name != restored.optimizer.name
+    restore_checkpoint(restored, str(tmp_path))
+    for target, source in zip(restored.variables, saved.variables):
+        assert np.array_equal(np.asarray(target.value), np.asarray(source.value))
+    pairs = zip(restored.optimizer.variables, saved.optimizer.variables)
+    for target, source in pairs:
+        assert np.array_equal(np.asarray(target.value), np.asarray(source.value))
+    assert int(restored.optimizer.iterations.value) == 2

@@ -391,6 +391,10 @@ def restore_checkpoint(
             "missing or damaged. Restore another step."
         )
     target_tree = model_state_tree(model)
+    model_optimizer_key = _optimizer_key(target_tree)
+    # Keras keys the optimizer group by the optimizer's generated name ("adam",
+    # "adam_1" for a second model in the process): match it by its place.
+    target_tree = _with_optimizer_key(target_tree, _optimizer_key(saved_tree))
     skipped = sorted(set(target_tree) ^ set(saved_tree))
     target_tree = {k: v for k, v in target_tree.items() if k in saved_tree}
     saved_tree = {k: v for k, v in saved_tree.items() if k in target_tree}
@@ -405,7 +409,7 @@ def restore_checkpoint(
             f"Reading the arrays of checkpoint {path} failed ({error}). Shard files "
             "are missing or damaged; nothing was assigned. Restore another step."
         ) from error
-    model.set_state_tree(loaded)
+    model.set_state_tree(_with_optimizer_key(loaded, model_optimizer_key))
     ours = (saved_custom or {}).get(METADATA_KEY) or {}
     plan_data = ours.get("plan")
     iterator_state = ours.get("data_iterator_state")
@@ -516,6 +520,23 @@ def model_state_tree(model) -> dict[str, Any]:
         name: model._create_nested_dict(variables, "backend_tensor")
         for name, variables in groups.items()
     }
+
+
+def _optimizer_key(tree: Mapping) -> str | None:
+    """The one key of a state tree's optimizer group (the optimizer's name)."""
+    group = tree.get("optimizer_variables")
+    if isinstance(group, Mapping) and len(group) == 1:
+        return next(iter(group))
+    return None
+
+
+def _with_optimizer_key(tree: Mapping, key: str | None) -> dict[str, Any]:
+    """`tree` with its optimizer group keyed `key` (unchanged when either
+    side has no single-optimizer group)."""
+    current = _optimizer_key(tree)
+    if key is None or current is None or key == current:
+        return dict(tree)
+    return {**tree, "optimizer_variables": {key: tree["optimizer_variables"][current]}}
 
 
 def _check_same_arrays(saved_tree: Mapping, target_tree: Mapping, path: str) -> None:
