@@ -196,7 +196,7 @@ def save_checkpoint(
     """
     from keras.src.utils.module_utils import ocp
 
-    directory = os.fspath(directory)
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     payload: dict[str, Any] = {STATE_CHECKPOINTABLE: model_state_tree(model)}
     if include_model_config:
         payload[CONFIG_CHECKPOINTABLE] = {"config": _model_config_json(model)}
@@ -290,7 +290,7 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
         restore_checkpoint(model, "ckpt", step=steps[-1])
     ```
     """
-    directory = os.fspath(directory)
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     if not os.path.isdir(directory):
         return []
     steps = []
@@ -365,7 +365,7 @@ def restore_checkpoint(
 
     from keras_autoshard.runtime.sharded_arrays import abstract_like
 
-    directory = os.fspath(directory)
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     step = latest_step(directory) if step is None else step
     path = os.path.join(directory, str(step))
     if step not in complete_steps(directory):
@@ -456,7 +456,7 @@ def load_model_sharded(
     from keras.src.saving import saving_lib
     from keras.src.utils.module_utils import ocp
 
-    directory = os.fspath(directory)
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     step = latest_step(directory) if step is None else step
     path = os.path.join(directory, str(step))
     try:
