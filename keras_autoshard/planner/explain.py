@@ -97,6 +97,36 @@ def variable_reason(tensor, spec, var_roles, assignment) -> str:
     return "; ".join(parts)
 
 
+def expert_notes(graph, sizes, assignment, roles) -> list[str]:
+    """How the experts of stacked expert kernels are placed."""
+    notes = []
+    for cls_id, role in sorted(roles.items()):
+        if role != "experts":
+            continue
+        count = graph.classes[cls_id].size
+        axis = assignment.class_axis.get(cls_id)
+        if axis is not None:
+            notes.append(
+                f"Expert parallelism: {count} experts cut over {axis!r} "
+                f"({count // sizes[axis]} per device); each device runs its "
+                "experts and their weighted outputs are summed over "
+                f"{axis!r}."
+            )
+            continue
+        not_dividing = [n for n, s in sizes.items() if s > 1 and count % s]
+        why = (
+            f"{count} experts do not divide {not_dividing[0]!r} (size "
+            f"{sizes[not_dividing[0]]})"
+            if not_dividing
+            else "cutting them would cost more than the alternatives"
+        )
+        notes.append(
+            f"The {count} experts are kept whole on every device ({why}); "
+            "tensor parallelism inside each expert is used where it pays."
+        )
+    return notes
+
+
 def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
     """The plan's notes: what was kept whole and why, and the estimate."""
     notes = batch_notes(graph, mesh, assignment)
@@ -122,6 +152,7 @@ def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
                     f"split over {target_axis!r}: each device slices its part "
                     "locally, and the gradient is all-reduced in the backward pass."
                 )
+    notes += expert_notes(graph, sizes, assignment, roles)
     for cls_id, role in roles.items():
         if role != "vocab":
             continue

@@ -20,8 +20,10 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
     occurring twice in one tensor is `sequence` (attention scores over query x
     key positions); a parameter class meeting a sequence class there is
     `heads`; a class feeding heads through a repeat is `kv_heads`; the other
-    classes of head parameters are `head_dim`; a parameter class that a
-    forward contraction sums over is `mlp`; the rest `feature`.
+    classes of head parameters are `head_dim`; the leading class of a
+    stacked (rank >= 3) parameter that no contraction sums over is `experts`;
+    a parameter class that a forward contraction sums over is `mlp`; the rest
+    `feature`.
     """
     roles: dict[int, str] = {}
     for tensor in graph.tensors:
@@ -76,6 +78,13 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
         if e.kind == "contract" and e.phase == "forward"
         for c in e.classes
     }
+    # Stacked expert kernels (experts x in x out): the leading class of a
+    # rank-3 parameter that no contraction sums over indexes the experts.
+    for tensor in graph.params():
+        if len(tensor.shape) >= 3:
+            c = tensor.dim_classes[0]
+            if c is not None and c not in roles and c not in contracted:
+                roles[c] = "experts"
     for c in param_classes:
         if c not in roles:
             roles[c] = "mlp" if c in contracted else "feature"
