@@ -48,8 +48,8 @@ def tokens(rows=8):
 
 
 def targets(rows=8):
-    return np.random.default_rng(1).standard_normal((rows, SEQ, HIDDEN)).astype(
-        "float32"
+    return (
+        np.random.default_rng(1).standard_normal((rows, SEQ, HIDDEN)).astype("float32")
     )
 
 
@@ -86,7 +86,9 @@ def test_moe_plan_moves_no_more_bytes_than_keras_hub_layout_map(name):
         model_parallel_dim_name="model",
         data_parallel_dim_name="batch",
     )
-    hub = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    hub = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
     auto_bytes = _train_step_bytes(build, PlanDistribution(auto), x, y)
     hub_bytes = _train_step_bytes(build, hub, x, y)
     assert auto_bytes <= hub_bytes, (auto_bytes, hub_bytes)
