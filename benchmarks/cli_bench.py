@@ -87,6 +87,13 @@ BENCHMARKS = {
             "host memory and throughput of sharded checkpoint loading",
         ),
         Benchmark(
+            "preset_loading",
+            "benchmarks.preset_loading",
+            "preset-loading",
+            (),
+            "host memory of loading a 2 GB KerasHub preset sharded (from_preset)",
+        ),
+        Benchmark(
             "torch_ranks",
             "benchmarks.torch_ranks",
             "torch-ranks",

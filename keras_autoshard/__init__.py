@@ -33,6 +33,7 @@ _PUBLIC_NAMES = {
     "LoadReport": "keras_autoshard.checkpoint.sharded_load",
     "load_weights_sharded": "keras_autoshard.checkpoint.sharded_load",
     "load_preset_sharded": "keras_autoshard.checkpoint.sharded_load",
+    "from_preset": "keras_autoshard.checkpoint.sharded_load",
     "save_checkpoint": "keras_autoshard.checkpoint.orbax_io",
     "restore_checkpoint": "keras_autoshard.checkpoint.orbax_io",
     "complete_steps": "keras_autoshard.checkpoint.orbax_io",

@@ -57,6 +57,7 @@ from keras_autoshard.progress import progress_bar
 logger = logging.getLogger(__name__)
 
 KERAS_WEIGHTS_FILE = "model.weights.h5"
+PRESET_TASK_WEIGHTS_FILE = "task.weights.h5"
 PRESET_CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 
@@ -223,6 +224,59 @@ def load_preset_sharded(
     with scope:
         model = keras.saving.deserialize_keras_object(config)
     report = load_weights_sharded(model, preset_dir, on_read=on_read)
+    return model, report
+
+
+def from_preset(
+    model_class,
+    preset_dir: str | os.PathLike,
+    distribution=None,
+    on_read: ReadObserver | None = None,
+    **kwargs,
+):
+    """`model_class.from_preset(preset_dir)`, with the backbone loaded sharded.
+
+    Keras's own `from_preset` reads every weight whole into host memory before
+    placing it. This builds the KerasHub task or backbone from the preset's
+    configs under `distribution` (every variable created sharded, no weights
+    read), then reads the backbone's weights slice by slice onto the devices
+    (`load_weights_sharded`). A task's own head weights (`task.weights.h5`,
+    small) are loaded by KerasHub as usual.
+
+    Args:
+        model_class: A KerasHub class with `from_preset` (a task such as
+            `keras_hub.models.GemmaCausalLM`, or a backbone class).
+        preset_dir: A local preset directory; nothing is downloaded.
+        distribution: The Keras distribution to create the model under
+            (`AutoShardDistribution`, `PlanDistribution`); `None` uses the
+            current one.
+        on_read: As in `load_weights_sharded`.
+        **kwargs: Passed to `model_class.from_preset`.
+
+    Returns:
+        `(model, LoadReport)` for the backbone's weights.
+
+    Example:
+
+    ```python
+    dist = keras_autoshard.AutoShardDistribution()
+    model, report = keras_autoshard.from_preset(
+        keras_hub.models.GemmaCausalLM, "gemma_preset/", dist
+    )
+    ```
+    """
+    scope = (
+        distribution.scope() if distribution is not None else contextlib.nullcontext()
+    )
+    with scope:
+        model = model_class.from_preset(
+            os.fspath(preset_dir), load_weights=False, **kwargs
+        )
+        task_weights = os.path.join(os.fspath(preset_dir), PRESET_TASK_WEIGHTS_FILE)
+        if hasattr(model, "load_task_weights") and os.path.exists(task_weights):
+            model.load_task_weights(task_weights)
+    backbone = getattr(model, "backbone", model)
+    report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
     return model, report
 
 
