@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keras_autoshard.errors import PlanError  # noqa: F401
+from keras_autoshard.plans.identity import key_path, unique_variables  # noqa: F401
 from keras_autoshard.plans.layouts import ActivationLayout, VariableSharding  # noqa: F401
 from keras_autoshard.plans.mesh import MeshSpec, dtype_itemsize  # noqa: F401
 
@@ -228,8 +229,19 @@ class ShardingPlan:
 
         check_mesh_matches(self.mesh, device_mesh)
         layout_map = LayoutMap(device_mesh)
+        specs_by_path: dict[str, set] = {}
         for v in self.variables:
-            layout_map[re.escape(v.path)] = TensorLayout(v.spec, device_mesh)
+            specs_by_path.setdefault(key_path(v.path), set()).add(v.spec)
+        for path, specs in specs_by_path.items():
+            if len(specs) > 1:
+                raise PlanError(
+                    f"Variables sharing the path {path!r} have different specs "
+                    f"{sorted(specs, key=str)} in this plan; a Keras LayoutMap "
+                    "keys layouts by path and cannot hold them. Apply the plan "
+                    "with keras_autoshard.PlanDistribution(plan), which tells "
+                    "them apart by their order in the model."
+                )
+            layout_map[re.escape(path)] = TensorLayout(specs.pop(), device_mesh)
         for a in self.activations:
             layout_map[re.escape(a.path)] = TensorLayout(a.spec, device_mesh)
         return layout_map
@@ -264,17 +276,6 @@ class ShardingPlan:
         from keras_autoshard.plans.validation import validate_plan_against_variables
 
         validate_plan_against_variables(self, unique_variables(model.variables))
-
-
-def unique_variables(variables: Iterable) -> list:
-    """Variables without repeats (tied weights appear once)."""
-    seen: set[int] = set()
-    result = []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
 
 
 def check_mesh_matches(mesh: MeshSpec, device_mesh) -> None:

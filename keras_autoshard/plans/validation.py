@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from keras_autoshard.errors import PlanError
+from keras_autoshard.plans.identity import variable_keys
 from keras_autoshard.plans.layouts import VariableSharding
 from keras_autoshard.plans.mesh import MeshSpec
 
@@ -79,10 +80,12 @@ def validate_plan_against_variables(plan: ShardingPlan, variables: Sequence) -> 
         variables: Keras variables (each with `.path`, `.shape`, `.dtype`).
     """
     problems = []
-    model_paths = {v.path for v in variables}
+    keys = variable_keys(variables)
+    variables = [v for v in variables if id(v) in keys]
+    model_keys = set(keys.values())
     planned: dict[str, VariableSharding] = {v.path: v for v in plan.variables}
-    missing = [v for v in variables if v.path not in planned]
-    extra = sorted(set(planned) - model_paths)
+    missing = [v for v in variables if keys[id(v)] not in planned]
+    extra = sorted(set(planned) - model_keys)
     if missing and extra and len(extra) >= len(planned) // 2:
         problems.append(
             f"The plan looks like it is for another model: {len(missing)} of the "
@@ -106,7 +109,7 @@ def validate_plan_against_variables(plan: ShardingPlan, variables: Sequence) -> 
                 "as when the plan was made (layer names change the paths)."
             )
     for v in variables:
-        entry = planned.get(v.path)
+        entry = planned.get(keys[id(v)])
         if entry is None:
             continue
         shape = tuple(int(s) for s in v.shape)

@@ -22,7 +22,7 @@ import numpy as np
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from keras_autoshard.plans.sharding_plan import unique_variables
+from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,15 @@ _UNINITIALIZED = "uninitialized_variables"
 
 @dataclasses.dataclass(frozen=True)
 class VariableInfo:
-    """What the planner needs of a model variable."""
+    """What the planner needs of a model variable.
+
+    Args:
+        path: Its plan key: the Keras path, with `#<n>` added where several
+            variables share the path (see `plans/identity.py`).
+        shape: Its shape.
+        dtype: Its dtype name.
+        trainable: Whether it is trained.
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -127,6 +135,8 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
         )
     trainable = unique_variables(model.trainable_variables)
     non_trainable = unique_variables(model.non_trainable_variables)
+    # Plan keys: the path, told apart by order where paths repeat.
+    keys = variable_keys(model.variables)
     inputs = shape_structs(sample_input)
     kwargs = {}
     if _call_takes_training(model):
@@ -144,8 +154,8 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
     input_leaves, _ = jax.tree_util.tree_flatten_with_path(inputs)
     input_names = [_keystr(path) for path, _ in input_leaves]
     invar_kinds = (
-        [("param", v.path) for v in trainable]
-        + [("state", v.path) for v in non_trainable]
+        [("param", keys[id(v)]) for v in trainable]
+        + [("state", keys[id(v)]) for v in non_trainable]
         + [("input", name) for name in input_names]
     )
     if len(invar_kinds) != len(closed.jaxpr.invars):
@@ -157,11 +167,15 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
         closed_jaxpr=closed,
         invar_kinds=tuple(invar_kinds),
         variables=tuple(
-            VariableInfo(v.path, tuple(int(s) for s in v.shape), str(v.dtype), True)
+            VariableInfo(
+                keys[id(v)], tuple(int(s) for s in v.shape), str(v.dtype), True
+            )
             for v in trainable
         )
         + tuple(
-            VariableInfo(v.path, tuple(int(s) for s in v.shape), str(v.dtype), False)
+            VariableInfo(
+                keys[id(v)], tuple(int(s) for s in v.shape), str(v.dtype), False
+            )
             for v in non_trainable
         ),
         input_shapes={

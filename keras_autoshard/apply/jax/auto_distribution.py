@@ -34,6 +34,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
     check_batch_sizes,
     trainer_call_asking,
 )
+from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.plans.mesh import DATA_AXIS, DATA_AXIS_NAMES, MODEL_AXIS, Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
@@ -265,7 +266,9 @@ class JaxAutoShardDistribution(AutoShardDistribution):
     def get_variable_layout(self, variable) -> TensorLayout:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
-        if self._applied is not None and self._applied.plan.get(variable.path):
+        if self._applied is not None and self._applied.plan.get(
+            self._applied.plan_key(variable)
+        ):
             return self._applied.get_variable_layout(variable)
         return provisional_layout(variable.shape, self.device_mesh)
 
@@ -305,13 +308,10 @@ def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
     """
     mesh = distribution.device_mesh
     by_slot_prefix = {}
-    seen = set()
-    for variable in model.variables:
-        if id(variable) in seen:
-            continue
-        seen.add(id(variable))
+    keys = variable_keys(model.variables)
+    for variable in unique_variables(model.variables):
         layout = TensorLayout(
-            list(distribution.plan.variable(variable.path).spec), mesh
+            list(distribution.plan.variable(keys[id(variable)]).spec), mesh
         )
         move_variable(variable, layout)
         by_slot_prefix[slot_prefix(variable.path)] = (variable, layout)

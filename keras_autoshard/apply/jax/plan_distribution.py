@@ -9,6 +9,7 @@ from keras.distribution import TensorLayout
 from keras.src.distribution.distribution_lib import Distribution
 
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
+from keras_autoshard.plans.identity import repeated_key
 from keras_autoshard.plans.sharding_plan import (
     PlanError,
     ShardingPlan,
@@ -78,6 +79,8 @@ class PlanDistribution(Distribution):
             a.path: TensorLayout(a.spec, device_mesh) for a in plan.activations
         }
         self.unplanned_variables: list[str] = []
+        # Path → ids of the variables created with it, where paths repeat.
+        self._repeated_paths: dict[str, list[int]] = {}
 
     @property
     def plan(self) -> ShardingPlan:
@@ -120,10 +123,22 @@ class PlanDistribution(Distribution):
         )
         return axis_size // shares
 
+    def plan_key(self, variable) -> str:
+        """The plan entry's key for `variable`: its path, or for a path several
+        variables share, `<path>#<n>` by the order they are created in."""
+        if self._plan.get(variable.path) is not None:
+            return variable.path
+        if self._plan.get(repeated_key(variable.path, 0)) is None:
+            return variable.path
+        created = self._repeated_paths.setdefault(variable.path, [])
+        if id(variable) not in created:
+            created.append(id(variable))
+        return repeated_key(variable.path, created.index(id(variable)))
+
     def get_variable_layout(self, variable) -> TensorLayout:
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
-        entry = self._plan.get(variable.path)
+        entry = self._plan.get(self.plan_key(variable))
         shape = tuple(int(s) for s in variable.shape)
         if entry is None:
             if variable.trainable:
