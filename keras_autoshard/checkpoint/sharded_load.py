@@ -265,18 +265,36 @@ def from_preset(
     )
     ```
     """
+    from keras_autoshard.plans.identity import unique_variables
+    from keras_autoshard.trace.tracer import abstract_variables
+
     scope = (
         distribution.scope() if distribution is not None else contextlib.nullcontext()
     )
     with scope:
+        # The backbone's variables are created without values (none is
+        # initialised whole), then read slice by slice.
+        import keras_hub
+
+        is_backbone = issubclass(model_class, keras_hub.models.Backbone)
+        with abstract_variables():
+            backbone = model_class if is_backbone else keras_hub.models.Backbone
+            backbone = backbone.from_preset(
+                os.fspath(preset_dir), load_weights=False, **kwargs
+            )
+        report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
+        for variable in unique_variables(backbone.variables):
+            if variable._value is None:  # not in the weights file
+                variable._deferred_initialize()
+        if is_backbone:
+            return backbone, report
+        # The task around it: its own (small) head weights the KerasHub way.
         model = model_class.from_preset(
-            os.fspath(preset_dir), load_weights=False, **kwargs
+            os.fspath(preset_dir), load_weights=False, backbone=backbone, **kwargs
         )
         task_weights = os.path.join(os.fspath(preset_dir), PRESET_TASK_WEIGHTS_FILE)
-        if hasattr(model, "load_task_weights") and os.path.exists(task_weights):
+        if os.path.exists(task_weights):
             model.load_task_weights(task_weights)
-    backbone = getattr(model, "backbone", model)
-    report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
     return model, report
 
 
@@ -468,4 +486,7 @@ def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
     array = assemble_from_slices(
         tensor.shape, numpy_dtype(tensor.dtype), sharding, read
     )
-    variable.assign(array)
+    if variable._value is None:
+        variable._initialize(array)  # created without a value: this is its first
+    else:
+        variable.assign(array)

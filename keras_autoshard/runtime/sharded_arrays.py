@@ -25,8 +25,14 @@ def variable_sharding(variable) -> jax.sharding.Sharding:
 
     Returns:
         Its `jax.sharding.Sharding` (a `NamedSharding` under a distribution,
-        a `SingleDeviceSharding` otherwise).
+        a `SingleDeviceSharding` otherwise). For a variable created without a
+        value (deferred), the sharding the active distribution gives it.
     """
+    if variable._value is None:
+        variable._initialize_layout()
+        if variable._layout is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return variable._layout.backend_layout
     return variable.value.sharding
 
 
@@ -83,9 +89,11 @@ def release_value(variable) -> None:
     """Free the device buffers of a variable's current value now.
 
     Loading then holds the old and the new value of a variable at no moment
-    together; the variable must be assigned before it is used again.
+    together; the variable must be assigned before it is used again. A
+    variable without a value (deferred) has nothing to free.
     """
-    variable.value.delete()
+    if variable._value is not None:
+        variable.value.delete()
 
 
 def concrete_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> SliceIndex:
