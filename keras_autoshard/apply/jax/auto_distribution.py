@@ -11,16 +11,19 @@ shard to shard.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
 import weakref
 from collections.abc import Mapping
 
+import jax
 import keras
 from keras.distribution import TensorLayout
 from keras.src import backend as keras_backend
 from keras.src import tree
+from keras.src.backend.common import global_state
 from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_autoshard.apply.auto_distribution import AutoShardDistribution
@@ -273,7 +276,43 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         return provisional_layout(variable.shape, self.device_mesh)
 
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
+        if self._applied is None:
+            self._plan_in_predict_on_batch()
         return None if self._applied is None else self._applied.get_tensor_layout(path)
+
+    def _plan_in_predict_on_batch(self) -> None:
+        """`predict_on_batch` hands Keras's step its batch undistributed, so no
+        data layout is asked: the first layer output it lays out (while Keras
+        traces the step) plans the model instead. The plan and the moves run
+        eagerly, outside that trace; the step being traced keeps the old
+        layout, and the step function is remade for the next call."""
+        call = trainer_call_asking()
+        if call is None or call.method != "predict_on_batch":
+            return
+        model = call.model
+        if not all(layer.built for layer in model._flatten_layers()):
+            return  # still building: plan on a later call
+        with jax.ensure_compile_time_eval(), _outside_keras_call():
+            self._plan_on_first_batch(model, call.batch)
+            self._remake_stale_step_functions(model)
+
+
+@contextlib.contextmanager
+def _outside_keras_call():
+    """Step out of the Keras call being traced for the duration of the block
+    (its stateless scope holds the step's tracers as variable values, its
+    call context the layer being called), and back in after: the block sees
+    the variables' real values. Keras's own scope objects are put back as
+    they were."""
+    names = ("stateless_scope", "current_call_ctx")
+    saved = {name: global_state.get_global_attribute(name) for name in names}
+    try:
+        for name in names:
+            global_state.set_global_attribute(name, None)
+        yield
+    finally:
+        for name, value in saved.items():
+            global_state.set_global_attribute(name, value)
 
 
 def multi_process() -> bool:

@@ -80,14 +80,16 @@ def trainer_call_asking() -> TrainerCall | None:
     if found is None:
         return None
     model, method, local = found
+    if batch is None and method == "predict_on_batch":
+        batch = (local.get("x"),)  # Keras feeds it to the step undistributed
+    if method not in _ENTRY_METHODS:
+        local = {}
     return TrainerCall(
         model=model,
         batch=batch,
         method=method,
-        epoch_iterator=local.get("epoch_iterator")
-        if method in _ENTRY_METHODS
-        else None,
-        state=local.get("state") if method in _ENTRY_METHODS else None,
+        epoch_iterator=local.get("epoch_iterator"),
+        state=local.get("state"),
     )
 
 
