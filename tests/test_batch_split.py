@@ -193,3 +193,31 @@ def test_a_first_batch_that_does_not_divide_the_data_axis_is_a_clear_error():
         with pytest.raises(ka.BatchSizeError, match="this batch has 6 rows"):
             model.fit(x, y, batch_size=6, verbose=0)
         model.fit(x[:8], y[:8], batch_size=4, verbose=0)
+
+
+class ClassToken(keras.layers.Layer):
+    """A learned class token tiled to the batch and put before the patches,
+    as ViT, DeiT and DINO backbones do."""
+
+    def build(self, input_shape):
+        self.token = self.add_weight(shape=(1, 1, input_shape[-1]), name="token")
+
+    def call(self, patches):
+        tokens = keras.ops.tile(self.token, (keras.ops.shape(patches)[0], 1, 1))
+        return keras.ops.concatenate([tokens, patches], axis=1)
+
+
+def class_token_model():
+    inputs = keras.Input((16, 32), name="patches")
+    hidden = keras.layers.Dense(32, name="embed")(inputs)
+    hidden = ClassToken(name="class_token")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden[:, 0]))
+
+
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_8x1], ids=str)
+def test_a_class_token_tiled_to_the_batch_keeps_data_parallelism(mesh):
+    x = _features()
+    y = np.random.default_rng(1).standard_normal((8, 8)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=mesh)
+    check_parity(class_token_model, dist, x, y, steps=2)
+    assert dist.plan.batch_axis == "batch", dist.plan.notes
