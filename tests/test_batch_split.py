@@ -221,3 +221,49 @@ def test_a_class_token_tiled_to_the_batch_keeps_data_parallelism(mesh):
     dist = ka.AutoShardDistribution(device_mesh=mesh)
     check_parity(class_token_model, dist, x, y, steps=2)
     assert dist.plan.batch_axis == "batch", dist.plan.notes
+
+
+class FourierMixing(keras.layers.Layer):
+    """FNet's token mixing: the real part of a 2-D FFT over (sequence,
+    hidden), computed independently for every row of the batch."""
+
+    def call(self, x):
+        real, _ = keras.ops.fft2((x, keras.ops.zeros_like(x)))
+        return real
+
+
+def fourier_model():
+    inputs = keras.Input((16, 32), name="features")
+    hidden = keras.layers.Dense(32, name="embed")(inputs)
+    hidden = FourierMixing(name="mixing")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
+
+
+def test_an_fft_keeps_the_batch_on_the_data_axis_and_matches_one_device():
+    x = _features()
+    y = np.random.default_rng(1).standard_normal((8, 16, 8)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=MESH_8x1)
+    check_parity(fourier_model, dist, x, y, steps=2)
+    assert dist.plan.batch_axis == "batch", dist.plan.notes
+    assert not any("Unknown primitive 'fft'" in n for n in dist.plan.notes)
+
+
+class ApproximateTopK(keras.layers.Layer):
+    """Uses a primitive the planner has no rule for (`approx_top_k`)."""
+
+    def call(self, x):
+        import jax
+
+        return jax.lax.approx_max_k(x, 4)[0]
+
+
+def test_a_primitive_with_no_rule_keeps_the_batch_whole_and_the_note_names_it():
+    def build():
+        inputs = keras.Input((16,), name="features")
+        hidden = keras.layers.Dense(16, name="dense")(inputs)
+        return keras.Model(inputs, ApproximateTopK(name="top_scores")(hidden))
+
+    plan = ka.plan(build, MESH_8x1, sample_input=np.ones((8, 16), "float32"))
+    assert plan.batch_axis is None
+    (note,) = [n for n in plan.notes if n.startswith("The batch of")]
+    assert "unknown primitive 'approx_top_k' in layer 'top_scores'" in note

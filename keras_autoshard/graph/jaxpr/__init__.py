@@ -4,6 +4,7 @@ Importing this package registers every rule.
 """
 
 from keras_autoshard.graph.jaxpr import (  # noqa: F401  (registers the rules)
+    batched,
     contractions,
     control_flow,
     elementwise,

@@ -187,7 +187,9 @@ class Walker:
 
     def unknown(self, eqn: Eqn, why: str | None = None) -> list[int]:
         """Conservative fallback: every dim touched becomes unshardable."""
-        reason = why or f"unknown primitive '{eqn.name}'"
+        layer = str(eqn.eqn.source_info.name_stack)
+        where = f" in layer {layer!r}" if layer else ""
+        reason = why or f"unknown primitive '{eqn.name}'{where}"
         if why is None:
             self.builder.unknown[eqn.name] += 1
             if eqn.name not in self._warned:
