@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 
+from benchmarks import zoo
 from benchmarks.strategies import DATA_AXIS, handwritten_plan
 from keras_autoshard import MeshSpec
 
@@ -24,14 +25,7 @@ SEQ = 128
 
 MLP_HIDDEN = 512
 
-GPT2_CONFIG = dict(
-    vocabulary_size=8192,
-    num_layers=4,
-    num_heads=8,
-    hidden_dim=512,
-    intermediate_dim=2048,
-    max_sequence_length=SEQ,
-)
+GPT2_CONFIG = zoo.BENCHMARK_GPT2_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +67,13 @@ class ModelCase(NamedTuple):
 
 
 def build_mlp_block() -> keras.Model:
-    """LayerNorm → Dense(4h, tanh) → Dense(h) → residual, h = 512."""
-    inputs = keras.Input((SEQ, MLP_HIDDEN), name="x")
-    normed = keras.layers.LayerNormalization(name="norm")(inputs)
-    up = keras.layers.Dense(4 * MLP_HIDDEN, activation="tanh", name="up")(normed)
-    down = keras.layers.Dense(MLP_HIDDEN, name="down")(up)
-    outputs = keras.layers.Add(name="residual")([inputs, down])
-    return keras.Model(inputs, outputs, name="mlp_block")
+    """The zoo's MLP block at h = 512 (LayerNorm → Dense(4h) → Dense(h))."""
+    return zoo.build_mlp_block(MLP_HIDDEN, SEQ)
 
 
 def mlp_batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Random inputs and targets of shape (batch, seq, hidden)."""
-    rng = np.random.default_rng(seed)
-    shape = (BATCH, SEQ, MLP_HIDDEN)
-    x = rng.standard_normal(shape).astype("float32")
-    y = rng.standard_normal(shape).astype("float32")
-    return x, y
+    return zoo.mlp_batch(MLP_HIDDEN, SEQ, BATCH, seed)
 
 
 def mlp_megatron_minimum(model: keras.Model, mesh: MeshSpec) -> MegatronMinimum:
@@ -102,10 +87,8 @@ def mlp_megatron_minimum(model: keras.Model, mesh: MeshSpec) -> MegatronMinimum:
 
 
 def build_gpt2() -> keras.Model:
-    """A KerasHub GPT-2 backbone from config (no preset download)."""
-    import keras_hub
-
-    return keras_hub.models.GPT2Backbone(**GPT2_CONFIG)
+    """The zoo's GPT-2 backbone at the benchmark size."""
+    return zoo.build_gpt2(**GPT2_CONFIG)
 
 
 def gpt2_batch(seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -7,7 +7,7 @@ python -m benchmarks.planner_zoo [--quick] [--output BENCHMARKS.md]
     [--models gpt2 llama] [--meshes 2x4 1x8] [--json PATH]
 ```
 
-For every KerasHub backbone of the acceptance zoo (`tests/zoo.py`: small
+For every KerasHub backbone of the acceptance zoo (`benchmarks/zoo.py`: small
 configs, no downloads) and every mesh, each strategy is built, compiled,
 inspected and timed on 8 simulated host devices in this one process:
 `auto` (`AutoShardDistribution`, no budget), `auto_budget` (a per-device
@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
+from benchmarks import zoo  # noqa: E402
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.measure import CaseResult, Measurement, measure_case  # noqa: E402
 from benchmarks.models import FP32_BYTES, MegatronMinimum, ModelCase  # noqa: E402
@@ -62,7 +63,6 @@ from keras_autoshard import (  # noqa: E402
     plan,
 )
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
-from tests import zoo  # noqa: E402
 
 SECTION_NAME = "planner-zoo"
 MODEL_NAMES = ("gpt2", "bert", "opt", "gemma", "llama")
@@ -218,7 +218,7 @@ def render(rows: Sequence[ZooRow], timed_steps: int, command: str) -> str:
         f"Generated {datetime.date.today().isoformat()} on "
         f"{machine_description()}; {versions()}. 8 simulated host devices, "
         f"mesh `data x model`; {timed_steps} timed training steps per case. "
-        f"Models: the KerasHub backbones of `tests/zoo.py` (2 layers, hidden "
+        f"Models: the KerasHub backbones of `benchmarks/zoo.py` (2 layers, hidden "
         f"256, batch {zoo.BATCH} × seq {zoo.SEQ}, MSE on random targets; Llama "
         "has 2 KV heads, OPT a vocabulary of 1003). Regenerate with:\n\n"
         f"```\n{command}\n```\n\n"

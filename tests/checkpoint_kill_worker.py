@@ -25,13 +25,13 @@ simulate_devices(8)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import zoo  # noqa: E402
 from keras_autoshard import (  # noqa: E402
     MeshSpec,
     PlanDistribution,
     plan_from_rules,
     save_checkpoint,
 )
-from tests import models  # noqa: E402
 
 HIDDEN = 512  # about 24 MiB of weights and Adam state per checkpoint
 RULES = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}
@@ -41,14 +41,14 @@ def build_model(distribution=None) -> keras.Model:
     """The MLP block with a built Adam, under `distribution` if given."""
     scope = distribution.scope() if distribution is not None else _Nothing()
     with scope:
-        model = models.build_mlp_block(hidden=HIDDEN)
+        model = zoo.build_mlp_block(hidden=HIDDEN)
         model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
         model.optimizer.build(model.trainable_variables)
     return model
 
 
 def make_plan(mesh: MeshSpec):
-    reference = models.build_mlp_block(hidden=HIDDEN)
+    reference = zoo.build_mlp_block(hidden=HIDDEN)
     return plan_from_rules(reference.variables, mesh, RULES, "batch")
 
 

@@ -9,8 +9,8 @@ from keras.src.backend.jax.trainer import JAXTrainer
 from keras.src.trainers import trainer as keras_trainer
 
 import keras_autoshard as ka
+from benchmarks import zoo
 from keras_autoshard import names_replayed_after
-from tests import zoo
 from tests.parity import PARITY_SEED, assert_close
 
 MESH_2x4 = ka.MeshSpec((2, 4), ("batch", "model"))

@@ -109,7 +109,10 @@ def test_a_rule_that_cuts_a_dim_the_axis_does_not_divide_names_rule_dim_and_size
     x = np.zeros((8, 32), "float32")
     with pytest.raises(ka.PlanError) as raised:
         ka.plan(
-            _dense_250, MESH_2x4, sample_input=x, rules={"dense/kernel": (None, "model")}
+            _dense_250,
+            MESH_2x4,
+            sample_input=x,
+            rules={"dense/kernel": (None, "model")},
         )
     message = str(raised.value)
     for fact in ("'dense/kernel'", "dim 1", "size 250", "'model' (size 4)"):

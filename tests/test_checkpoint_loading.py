@@ -1,4 +1,4 @@
-"""Loading Keras, safetensors and KerasHub-preset weights into sharded models.
+"""Loading Keras, safetensors and KerasHub-preset weights into sharded zoo.
 
 Every test compares loaded values bit for bit with the model that wrote the
 file, and checks that each read is one device slice, never a whole array.
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
     CheckpointError,
@@ -23,7 +24,6 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.checkpoint.keras_layout import keras_h5_keys
-from tests import models
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 MEGATRON_RULES = {
@@ -34,13 +34,13 @@ MEGATRON_RULES = {
 
 
 def mlp_plan(mesh=MESH):
-    reference = models.build_mlp_block()
+    reference = zoo.build_mlp_block()
     return plan_from_rules(reference.variables, mesh, MEGATRON_RULES, "batch")
 
 
 def seeded_mlp(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    model = models.build_mlp_block()
+    model = zoo.build_mlp_block()
     for variable in model.variables:  # biases and norms too, not only kernels
         noise = np.random.default_rng(seed).standard_normal(variable.shape)
         variable.assign(noise.astype(variable.dtype))
@@ -50,7 +50,7 @@ def seeded_mlp(seed: int) -> keras.Model:
 def sharded_mlp(plan) -> keras.Model:
     keras.utils.set_random_seed(99)  # other initial values than the source
     with PlanDistribution(plan).scope():
-        return models.build_mlp_block()
+        return zoo.build_mlp_block()
 
 
 def assert_same_values(loaded, source):
@@ -122,7 +122,7 @@ def test_weights_h5_loads_bit_exact_reading_one_device_slice_per_read(tmp_path):
 def test_keras_archive_with_optimizer_state_loads_bit_exact(tmp_path):
     source = seeded_mlp(seed=2)
     source.compile(optimizer="adam", loss="mse")
-    x, y = models.mlp_batch()
+    x, y = zoo.mlp_batch()
     source.fit(x, y, batch_size=8, epochs=2, verbose=0)
     path = str(tmp_path / "mlp.keras")
     source.save(path)
@@ -191,12 +191,12 @@ def test_loads_into_auto_shard_model_before_planning(tmp_path):
     source.save_weights(path)
     distribution = AutoShardDistribution(device_mesh=MESH)
     with distribution.scope():
-        model = models.build_mlp_block()
+        model = zoo.build_mlp_block()
 
     load_weights_sharded(model, path)
 
     assert_same_values(model, source)
-    distribution.prepare(model, models.mlp_batch()[0])
+    distribution.prepare(model, zoo.mlp_batch()[0])
     assert_same_values(model, source)
     kernel = model.get_layer("up").kernel.value
     assert kernel.addressable_shards[0].data.nbytes < kernel.nbytes
@@ -205,7 +205,7 @@ def test_loads_into_auto_shard_model_before_planning(tmp_path):
 def test_kerashub_preset_builds_from_config_and_loads_sharded(tmp_path):
     keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(5)
-    config = dict(models.GPT2_CONFIG, num_layers=2)
+    config = dict(zoo.SMALL_GPT2_CONFIG, num_layers=2)
     with names_replayed_after():
         source = keras_hub.models.GPT2Backbone(**config)
     preset = str(tmp_path / "preset")
@@ -305,7 +305,7 @@ def test_garbage_files_are_errors_naming_the_file(tmp_path):
 
 def test_shape_mismatch_names_tensor_and_variable(tmp_path):
     path = str(tmp_path / "wide.weights.h5")
-    models.build_mlp_block(hidden=32).save_weights(path)
+    zoo.build_mlp_block(hidden=32).save_weights(path)
     model = sharded_mlp(mlp_plan())
 
     with pytest.raises(CheckpointError) as error:

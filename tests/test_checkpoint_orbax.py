@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 
+from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
     CheckpointError,
@@ -20,7 +21,6 @@ from keras_autoshard import (
     restore_checkpoint,
     save_checkpoint,
 )
-from tests import models
 
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))
 MESH_1x8 = MeshSpec((1, 8), ("batch", "model"))
@@ -34,7 +34,7 @@ MEGATRON_RULES = {
 
 def mlp_plan(mesh):
     return plan_from_rules(
-        models.build_mlp_block().variables, mesh, MEGATRON_RULES, "batch"
+        zoo.build_mlp_block().variables, mesh, MEGATRON_RULES, "batch"
     )
 
 
@@ -43,7 +43,7 @@ def compiled_mlp(distribution=None, seed=0) -> keras.Model:
     keras.utils.set_random_seed(seed)
     scope = distribution.scope() if distribution is not None else _no_scope()
     with scope:
-        model = models.build_mlp_block()
+        model = zoo.build_mlp_block()
         model.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
         model.optimizer.build(model.trainable_variables)
     return model
@@ -59,7 +59,7 @@ class _no_scope:
 
 def trained_mlp(distribution, steps=2, seed=0) -> keras.Model:
     model = compiled_mlp(distribution, seed)
-    x, y = models.mlp_batch(seed=seed)
+    x, y = zoo.mlp_batch(seed=seed)
     with distribution.scope():
         for _ in range(steps):
             model.train_on_batch(x, y)
@@ -131,7 +131,7 @@ def test_async_save_keeps_the_values_of_when_it_was_called(tmp_path):
     expected = state_arrays(model)
 
     pending = save_checkpoint(model, tmp_path / "ckpt", step=1, wait=False)
-    x, y = models.mlp_batch(seed=3)
+    x, y = zoo.mlp_batch(seed=3)
     with distribution.scope():
         model.train_on_batch(x, y)  # training goes on while step 1 is written
     pending.wait()
@@ -178,8 +178,8 @@ def test_callback_saves_every_n_batches_with_plan_metadata_and_iterator_state(
         metadata=lambda step: {"saved_at": step},
         data_iterator=iterator,
     )
-    x = np.concatenate([models.mlp_batch(seed=s)[0] for s in range(4)])
-    y = np.concatenate([models.mlp_batch(seed=s)[1] for s in range(4)])
+    x = np.concatenate([zoo.mlp_batch(seed=s)[0] for s in range(4)])
+    y = np.concatenate([zoo.mlp_batch(seed=s)[1] for s in range(4)])
     with distribution.scope():
         model.fit(
             x,
@@ -196,9 +196,9 @@ def test_callback_saves_every_n_batches_with_plan_metadata_and_iterator_state(
     assert complete_steps(tmp_path / "ckpt") == [6, 8]
     auto = AutoShardDistribution(device_mesh=MESH_1x8)
     with auto.scope():
-        target = models.build_mlp_block()
+        target = zoo.build_mlp_block()
         target.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
-    auto.prepare(target, models.mlp_batch()[0])
+    auto.prepare(target, zoo.mlp_batch()[0])
     fresh_iterator = CountingIterator()
     with auto.scope():  # the optimizer state is built there, sharded
         restored = restore_checkpoint(
@@ -239,7 +239,7 @@ def test_callback_best_only_keeps_the_best_epochs(tmp_path):
         max_to_keep=2,
         save_on_background=False,
     )
-    x, y = models.mlp_batch()
+    x, y = zoo.mlp_batch()
     with distribution.scope():
         model.fit(
             x,
@@ -304,7 +304,7 @@ def test_other_model_and_other_shapes_are_errors_naming_variables(tmp_path):
         restore_checkpoint(other, tmp_path / "ckpt")
 
     keras.utils.set_random_seed(0)
-    wide = models.build_mlp_block(hidden=32)
+    wide = zoo.build_mlp_block(hidden=32)
     wide.compile(optimizer=keras.optimizers.Adam(name="adam"), loss="mse")
     with pytest.raises(CheckpointError, match=r"trainable_variables/up/kernel"):
         restore_checkpoint(wide, tmp_path / "ckpt")
@@ -342,14 +342,14 @@ def test_restore_into_a_second_model_whose_optimizer_keras_named_adam_1(tmp_path
     distribution = PlanDistribution(mlp_plan(MESH_2x4))
     keras.utils.set_random_seed(0)
     with distribution.scope():
-        saved = models.build_mlp_block()
+        saved = zoo.build_mlp_block()
         saved.compile(optimizer="adam", loss="mse")
-        x, y = models.mlp_batch(seed=0)
+        x, y = zoo.mlp_batch(seed=0)
         for _ in range(2):
             saved.train_on_batch(x, y)
     save_checkpoint(saved, str(tmp_path), step=1, plan=distribution.plan)
     with distribution.scope():
-        restored = models.build_mlp_block()
+        restored = zoo.build_mlp_block()
         restored.compile(optimizer="adam", loss="mse")
         restored.optimizer.build(restored.trainable_variables)
     assert saved.optimizer.name != restored.optimizer.name

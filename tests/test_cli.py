@@ -114,7 +114,7 @@ def builder_inspect(tmp_path_factory):
         "8",
         "inspect",
         "--builder",
-        "tests.models:build_mlp_block",
+        "benchmarks.zoo:build_mlp_block",
         "--json",
         str(report_path),
     )
@@ -153,7 +153,7 @@ def test_inspect_json_holds_the_compiled_report(builder_inspect):
 
 @pytest.fixture(scope="module")
 def keras_file(tmp_path_factory):
-    from tests.models import build_mlp_block
+    from benchmarks.zoo import build_mlp_block
 
     path = tmp_path_factory.mktemp("keras_file") / "mlp.keras"
     build_mlp_block().save(str(path))
@@ -170,7 +170,7 @@ def test_inspect_of_a_keras_file_loads_its_weights_sharded(keras_file):
 # ----------------------------------------------------------------- errors
 def test_a_budget_no_plan_fits_is_an_error_without_traceback():
     result = run_cli(
-        "plan", "--builder", "tests.models:build_mlp_block", "--memory-budget", "1KiB"
+        "plan", "--builder", "benchmarks.zoo:build_mlp_block", "--memory-budget", "1KiB"
     )
     assert result.returncode == 1, explain(result)
     assert "keras-autoshard plan: error: No plan fits" in result.stderr

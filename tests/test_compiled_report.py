@@ -2,11 +2,11 @@
 
 import json
 
+from benchmarks import zoo
 from keras_autoshard import PlanDistribution, inspect_compiled
-from tests import models
 from tests.test_parity_handwritten import mlp_plan
 
-BATCH, SEQ, HIDDEN = models.BATCH, models.SEQ, models.HIDDEN
+BATCH, SEQ, HIDDEN = zoo.BATCH, zoo.MLP_SEQ, zoo.HIDDEN
 DATA, MODEL = 2, 4
 FP32 = 4
 # One all-reduce moves the per-device activation: (batch / data) x seq x hidden.
@@ -16,9 +16,9 @@ ACTIVATION_BYTES = (BATCH // DATA) * SEQ * HIDDEN * FP32
 def _report():
     plan = mlp_plan()
     dist = PlanDistribution(plan)
-    x, y = models.mlp_batch()
+    x, y = zoo.mlp_batch()
     with dist.scope():
-        model = models.build_mlp_block()
+        model = zoo.build_mlp_block()
         model.compile(optimizer="adam", loss="mse")
         report = inspect_compiled(model, dist, (x, y))
     return plan, report

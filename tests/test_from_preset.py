@@ -34,7 +34,9 @@ def test_from_preset_builds_the_task_sharded_and_loads_every_weight(tmp_path):
     assert report.variables_loaded == len(task.backbone.weights)
     for target, source in zip(loaded.backbone.weights, task.backbone.weights):
         assert target.path == source.path
-        np.testing.assert_array_equal(np.asarray(target.value), np.asarray(source.value))
+        np.testing.assert_array_equal(
+            np.asarray(target.value), np.asarray(source.value)
+        )
     # Created under the distribution: the large variables are spread out.
     table = loaded.backbone.get_layer("token_embedding").embeddings
     assert len(table.value.sharding.device_set) == 8

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from benchmarks import zoo
 from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import MeshSpec, PlanDistribution, names_replayed_after
 from keras_autoshard.plans.rules import plan_from_rules
-from tests import models
 from tests.parity import check_parity
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
@@ -20,20 +20,20 @@ MLP_RULES = {
 
 def mlp_plan():
     with names_replayed_after():
-        model = models.build_mlp_block()
+        model = zoo.build_mlp_block()
     return plan_from_rules(model.variables, MESH, MLP_RULES, batch_axis="batch")
 
 
 def test_mlp_megatron_plan_matches_single_device_after_5_adam_steps():
-    x, y = models.mlp_batch()
-    check_parity(models.build_mlp_block, PlanDistribution(mlp_plan()), x, y)
+    x, y = zoo.mlp_batch()
+    check_parity(zoo.build_mlp_block, PlanDistribution(mlp_plan()), x, y)
 
 
 def test_mlp_parameter_shards_are_the_sizes_the_plan_predicts():
     plan = mlp_plan()
     dist = PlanDistribution(plan)
     with dist.scope():
-        model = models.build_mlp_block()
+        model = zoo.build_mlp_block()
     for v in model.variables:
         expected = plan.variable(v.path).bytes_per_device(plan.mesh)
         sizes = {s.data.nbytes for s in v.value.addressable_shards}
@@ -45,11 +45,11 @@ def test_mlp_parameter_shards_are_the_sizes_the_plan_predicts():
 @pytest.mark.slow
 def test_gpt2_megatron_plan_matches_single_device_after_5_adam_steps():
     with names_replayed_after():
-        plan = keras_hub_megatron_plan(models.build_gpt2(), MESH)
+        plan = keras_hub_megatron_plan(zoo.build_gpt2(), MESH)
     sharded_paths = [v.path for v in plan.variables if any(plan.variable(v.path).spec)]
     assert len(sharded_paths) == 4 * 10 + 1  # 10 per layer + token embedding
-    x, y = models.gpt2_batch()
-    _, sharded = check_parity(models.build_gpt2, PlanDistribution(plan), x, y)
+    x, y = zoo.gpt2_batch()
+    _, sharded = check_parity(zoo.build_gpt2, PlanDistribution(plan), x, y)
     for v in sharded.variables:
         expected = plan.variable(v.path).bytes_per_device(plan.mesh)
         assert {s.data.nbytes for s in v.value.addressable_shards} == {expected}

@@ -7,6 +7,7 @@ import keras
 import pytest
 
 import keras_autoshard as ka
+from benchmarks import zoo
 from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import (
     MeshSpec,
@@ -17,7 +18,6 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.planner.planner import plan_with_cost
-from tests import zoo
 
 MESHES = [
     MeshSpec((2, 4), ("batch", "model")),

@@ -6,6 +6,7 @@ import re
 import keras
 import pytest
 
+from benchmarks import zoo
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
@@ -17,7 +18,6 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.plans.sharding_plan import ActivationLayout
-from tests import models
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 
@@ -104,7 +104,7 @@ def test_summary_lists_every_variable_with_bytes_and_totals():
 
 def _mlp():
     with names_replayed_after():
-        return models.build_mlp_block()
+        return zoo.build_mlp_block()
 
 
 def test_validate_accepts_a_plan_made_for_the_model():
@@ -218,7 +218,7 @@ def test_distribution_refuses_trainable_variable_missing_from_plan():
     )
     with PlanDistribution(partial).scope():
         with pytest.raises(PlanError, match="'up/kernel'.*not in the sharding plan"):
-            models.build_mlp_block()
+            zoo.build_mlp_block()
 
 
 def test_distribution_refuses_batch_that_does_not_split():

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import keras_autoshard as ka
+from benchmarks import zoo
 from keras_autoshard import TensorParallel, TensorParallelError, names_replayed_after
 from keras_autoshard.apply.tensor_parallel_setup import tensor_parallel_setup
-from tests import zoo
 from tests.parity import assert_close
 
 SEED = 1234

@@ -1,6 +1,15 @@
-"""Models for planner acceptance tests: KerasHub backbones from small configs,
-a functional MLP, a Sequential CNN, a subclassed attention model, and a model
-with tied embeddings. None needs a download."""
+"""The model zoo of the tests and the benchmarks, every model built from a
+config in code (no downloads).
+
+- `ZOO`: the planner's acceptance models (KerasHub GPT-2, BERT, OPT, Gemma,
+  Llama backbones from small configs, a functional MLP, a Sequential CNN, a
+  subclassed attention model, a model with tied embeddings), each with its
+  batch; `random_targets` for regression targets of any output structure.
+- `build_mlp_block` / `mlp_batch`: one Megatron MLP block (LayerNorm, column
+  then row Dense, residual) at any width.
+- `build_gpt2` / `gpt2_batch`: a KerasHub GPT-2 backbone; `SMALL_GPT2_CONFIG`
+  for the tests, `BENCHMARK_GPT2_CONFIG` for the benchmarks.
+"""
 
 import keras
 import numpy as np
@@ -233,3 +242,67 @@ def random_targets(build, x, seed=1):
     return jax.tree_util.tree_map(
         lambda s: rng.standard_normal(tuple(s.shape)).astype("float32"), spec
     )
+
+
+# ------------------------------------------------ MLP block and GPT-2
+HIDDEN = 64
+MLP_SEQ = 16
+
+
+def build_mlp_block(hidden: int = HIDDEN, seq: int = MLP_SEQ) -> keras.Model:
+    """LayerNorm → column Dense(4h) → row Dense(h) → residual: one Megatron MLP."""
+    inputs = keras.Input((seq, hidden), name="x")
+    normed = keras.layers.LayerNormalization(name="norm")(inputs)
+    up = keras.layers.Dense(4 * hidden, activation="tanh", name="up")(normed)
+    down = keras.layers.Dense(hidden, name="down")(up)
+    outputs = keras.layers.Add(name="residual")([inputs, down])
+    return keras.Model(inputs, outputs, name="mlp_block")
+
+
+def mlp_batch(hidden: int = HIDDEN, seq: int = MLP_SEQ, batch: int = BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, seq, hidden)).astype("float32")
+    y = rng.standard_normal((batch, seq, hidden)).astype("float32")
+    return x, y
+
+
+SMALL_GPT2_CONFIG = dict(
+    vocabulary_size=1024,
+    num_layers=4,
+    num_heads=8,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    max_sequence_length=64,
+)
+
+
+def build_gpt2(**overrides) -> keras.Model:
+    """A KerasHub GPT-2 backbone: `SMALL_GPT2_CONFIG` with `overrides`."""
+    import keras_hub
+
+    return keras_hub.models.GPT2Backbone(**{**SMALL_GPT2_CONFIG, **overrides})
+
+
+def gpt2_batch(batch: int = BATCH, seq: int = 32, hidden: int = 256, seed=0):
+    """Random token ids (of `SMALL_GPT2_CONFIG`'s vocabulary), a full padding
+    mask and random hidden-state targets."""
+    rng = np.random.default_rng(seed)
+    x = {
+        "token_ids": rng.integers(
+            0, SMALL_GPT2_CONFIG["vocabulary_size"], (batch, seq)
+        ).astype("int32"),
+        "padding_mask": np.ones((batch, seq), "int32"),
+    }
+    y = rng.standard_normal((batch, seq, hidden)).astype("float32")
+    return x, y
+
+
+# The benchmarks' GPT-2 (`benchmarks/models.py`).
+BENCHMARK_GPT2_CONFIG = dict(
+    vocabulary_size=8192,
+    num_layers=4,
+    num_heads=8,
+    hidden_dim=512,
+    intermediate_dim=2048,
+    max_sequence_length=128,
+)
