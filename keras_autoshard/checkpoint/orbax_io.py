@@ -365,8 +365,8 @@ def restore_checkpoint(
 
     from keras_autoshard.runtime.sharded_arrays import abstract_like
 
-    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     step = latest_step(directory) if step is None else step
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     path = os.path.join(directory, str(step))
     if step not in complete_steps(directory):
         raise CheckpointError(
@@ -456,8 +456,8 @@ def load_model_sharded(
     from keras.src.saving import saving_lib
     from keras.src.utils.module_utils import ocp
 
-    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     step = latest_step(directory) if step is None else step
+    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     path = os.path.join(directory, str(step))
     try:
         with ocp.Context():
