@@ -257,3 +257,30 @@ def test_the_keras_assignment_scan_finds_patches():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_code_assigns_to_keras_classes_or_modules(module):
     assert keras_assignments(MODULES[module].read_text()) == []
+
+
+def test_the_mesh_axis_vocabulary_is_defined_once_and_roles_never_reuse_it():
+    from keras_autoshard.plans import mesh
+
+    names = ("DATA_AXIS_NAMES", "MODEL_AXIS_NAMES", "DEFAULT_AXIS_NAMES")
+    definitions = [
+        (module, node.targets[0].id)
+        for module, path in MODULES.items()
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id in names + ("DATA_AXIS", "MODEL_AXIS")
+    ]
+    assert {module for module, _ in definitions} == {"keras_autoshard.plans.mesh"}
+    roles_source = MODULES["keras_autoshard.planner.roles"].read_text()
+    role_names = set(ast.literal_eval(s) for s in _string_literals(roles_source))
+    axis_names = mesh.DATA_AXIS_NAMES | mesh.MODEL_AXIS_NAMES
+    assert "examples" in role_names and not role_names & axis_names
+
+
+def _string_literals(source: str) -> list[str]:
+    return [
+        repr(node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]

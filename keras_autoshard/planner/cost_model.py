@@ -22,9 +22,7 @@ import math
 from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
-from keras_autoshard.plans.mesh import DATA_AXIS_NAMES
-
-MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 def class_roles(graph: AxisGraph) -> dict[int, str]:
     """Axis class id → logical role, for the classes of parameters and inputs.
 
-    Rules, in order: the inputs' leading dim is `batch`; a dim a lookup indexes
+    Rules, in order: the inputs' leading dim is `examples` (the batch; a
+    role, not the mesh axis of that name); a dim a lookup indexes
     into a parameter is `vocab`; the class most parameters share is `embed`
     (the residual stream); a parameter class that meets, in one tensor, a class
     occurring twice in one tensor is `sequence` (attention scores over query x
@@ -32,7 +33,7 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
             and tensor.dim_classes
             and tensor.dim_classes[0] is not None
         ):
-            roles.setdefault(tensor.dim_classes[0], "batch")
+            roles.setdefault(tensor.dim_classes[0], "examples")
     for event in graph.comm_events:
         if event.kind == "gather":
             for c in event.classes:

@@ -18,7 +18,7 @@ class VariableSharding:
         dtype: The variable's dtype name.
         spec: One mesh axis name, or `None` (replicated), per dimension.
         roles: The logical role of each dimension (`"heads"`, `"mlp"`,
-            `"vocab"`, `"embed"`, `"batch"`, ...) or `None` when unknown.
+            `"vocab"`, `"embed"`, `"examples"`, ...) or `None` when unknown.
         reason: Why the planner chose this spec (empty for hand-written plans).
 
     Example:

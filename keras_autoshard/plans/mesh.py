@@ -22,6 +22,8 @@ MODEL_AXIS = "model"
 DEFAULT_AXIS_NAMES = (DATA_AXIS, MODEL_AXIS)
 # Axis names that split the batch.
 DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
+# Axis names reserved for tensor parallelism (never split the batch).
+MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
 
 # One mesh axis name (or None: not cut) per tensor dimension.
 Spec = Sequence[str | None]

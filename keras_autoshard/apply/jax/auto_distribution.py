@@ -38,7 +38,13 @@ from keras_autoshard.apply.jax.trainer_calls import (
     trainer_call_asking,
 )
 from keras_autoshard.plans.identity import unique_variables, variable_keys
-from keras_autoshard.plans.mesh import DATA_AXIS, DATA_AXIS_NAMES, MODEL_AXIS, Spec
+from keras_autoshard.plans.mesh import (
+    DATA_AXIS,
+    DATA_AXIS_NAMES,
+    DEFAULT_AXIS_NAMES,
+    MODEL_AXIS,
+    Spec,
+)
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
 
@@ -147,7 +153,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 len(keras.distribution.list_devices()),
                 math.gcd(multiprocess.local_device_count(), 8),
             ),
-            ("batch", "model"),
+            DEFAULT_AXIS_NAMES,
         )
         data_axes = [name for name in mesh.axis_names if name in DATA_AXIS_NAMES]
         batch_axis = data_axes[0] if data_axes else None

@@ -26,6 +26,7 @@ from keras_autoshard.apply.tensor_parallel_setup import (
 )
 from keras_autoshard.errors import TensorFlowModelParallelError  # noqa: F401
 from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
+from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
@@ -169,7 +170,7 @@ def data_parallel_mesh(device_mesh, device_count: int) -> MeshSpec:
         TensorParallelError: the mesh needs more devices than there are.
     """
     if device_mesh is None:
-        return MeshSpec((device_count, 1), ("batch", "model"))
+        return MeshSpec((device_count, 1), DEFAULT_AXIS_NAMES)
     mesh = (
         device_mesh
         if isinstance(device_mesh, MeshSpec)
