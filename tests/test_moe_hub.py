@@ -33,7 +33,7 @@ CONFIGS = {
 def builder(name):
     def build():
         return getattr(keras_hub.models, name)(
-            vocabulary_size=VOCAB, num_layers=2, **ATTENTION, **CONFIGS[name]
+            vocabulary_size=VOCAB, num_layers=1, **ATTENTION, **CONFIGS[name]
         )
 
     return build
