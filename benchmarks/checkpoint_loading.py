@@ -148,8 +148,11 @@ def measure_load(path: str, layer_count: int, loader: str) -> dict:
 
 
 # ----------------------------------------------------------------- the driver
-def _run_child(args: Sequence[str]) -> str:
-    command = [sys.executable, "-m", "benchmarks.checkpoint_loading", *args]
+def run_child(
+    args: Sequence[str], module: str = "benchmarks.checkpoint_loading"
+) -> str:
+    """Run `python -m module *args` and return its stdout (raise on failure)."""
+    command = [sys.executable, "-m", module, *args]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(
@@ -165,10 +168,10 @@ def run(size_gib: float, directory: str | None = None) -> list[dict]:
     workdir = tempfile.mkdtemp(prefix="ckpt-bench-", dir=directory)
     try:
         path = os.path.join(workdir, "model.weights.h5")
-        _run_child(["--child-write", path, "--layers", str(layer_count)])
+        run_child(["--child-write", path, "--layers", str(layer_count)])
         results = []
         for loader in LOADERS:
-            out = _run_child(
+            out = run_child(
                 ["--child-load", path, "--layers", str(layer_count), "--loader", loader]
             )
             results.append(json.loads(out.strip().splitlines()[-1]))

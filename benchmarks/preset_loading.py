@@ -29,10 +29,7 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -42,6 +39,7 @@ from benchmarks.checkpoint_loading import (
     _rss_bytes,
     _settle_memory,
     _setup_jax,
+    run_child,
 )
 from benchmarks.markdown import markdown_table, write_section
 
@@ -110,15 +108,8 @@ def measure_load(directory: str, loader: str) -> dict:
     }
 
 
-def _run_child(args: Sequence[str]) -> str:
-    command = [sys.executable, "-m", "benchmarks.preset_loading", *args]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"{shlex.join(command)} failed (rc {result.returncode}):\n"
-            f"{result.stderr[-4000:]}"
-        )
-    return result.stdout
+def _child(args: Sequence[str]) -> str:
+    return run_child(args, module="benchmarks.preset_loading")
 
 
 def run(directory: str | None = None) -> list[dict]:
@@ -126,10 +117,10 @@ def run(directory: str | None = None) -> list[dict]:
     workdir = tempfile.mkdtemp(prefix="preset-bench-", dir=directory)
     try:
         preset = os.path.join(workdir, "preset")
-        _run_child(["--child-write", preset])
+        _child(["--child-write", preset])
         return [
             json.loads(
-                _run_child(["--child-load", preset, "--loader", loader])
+                _child(["--child-load", preset, "--loader", loader])
                 .strip()
                 .splitlines()[-1]
             )

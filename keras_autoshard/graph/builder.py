@@ -25,8 +25,9 @@ Rules in brief (B = backward event, F = forward event):
   regrouping is unshardable.
 - transpose/squeeze/rev map dims; slice/dynamic_slice/pad/concatenate/tile/
   split make the touched operand dim unshardable and link it to the new
-  result dim by a `SliceEdge`; stack/unstack axes and dynamic_update_slice
-  updated dims are unshardable.
+  result dim by a `SliceEdge` (tiling a size-1 dim is a broadcast: a fresh
+  class); stack/unstack axes and dynamic_update_slice updated dims are
+  unshardable.
 - reductions: kept dims unify, F `reduce` over the reduced classes;
   argmax/argmin, cumulative ops, sort and top_k make their axis unshardable.
 - gather: index batch dims unify with output batch dims, whole slice dims
@@ -41,6 +42,11 @@ Rules in brief (B = backward event, F = forward event):
   scan: carries unify across the loop, the scanned dim is unshardable and body
   events are multiplied by the length. while: carries unify, events counted
   once (noted). cond: every branch is walked and unified with the results.
+- fft and batched linear algebra (cholesky, qr, ...): leading dims unify
+  across operands and results, the trailing core dims are unshardable.
+
+The rules live in `graph/jaxpr/`, one module per family, each registered
+where it is defined (`@primitive_rule`); the walker is `graph/jaxpr/walker.py`.
 
 Backward events on one tensor (and on views of it: reshapes, transposes,
 same-size broadcasts, casts) are merged, since the gradient is summed before
@@ -75,56 +81,6 @@ from keras_autoshard.graph.jaxpr.walker import (
     aval_shape,
     has_grad,
 )
-
-"""Build an `AxisGraph` from a JAX jaxpr of a model's forward pass.
-
-The walker visits every equation of a closed jaxpr (recursing into `jit`,
-`checkpoint`, custom-derivative calls, `scan`, `while` and `cond`) and applies
-one rule per primitive: it unifies the dimensions that must be sharded alike,
-makes fresh axis classes where a primitive creates a new axis, marks classes
-that cannot be sharded (with the reason), and records the all-reduces that
-sharding a class implies, forward and backward. Primitives it has no rule for
-make every dimension they touch unshardable and are counted in
-`AxisGraph.unknown_primitives`.
-
-Rules in brief (B = backward event, F = forward event):
-
-- elementwise (add, mul, select_n, convert_element_type, ...): equal dims
-  unify; size-1 dims broadcast; a requires-grad operand broadcast along output
-  dims gets a B `broadcast_grad` over those dims' classes.
-- broadcast_in_dim: mapped dims unify; new/expanded dims are fresh classes
-  with a B `broadcast_grad` of the operand.
-- dot_general: batch dims unify across lhs/rhs/out, free dims with the output,
-  contracting dims with each other; F `contract` on the output over the
-  contracting classes; B `contract` on lhs over the rhs free classes and on
-  rhs over the lhs free classes.
-- reshape: 1-to-1 dims unify; a split or merge links the major factor to the
-  result by a `SliceEdge` and makes the minor factors unshardable; any other
-  regrouping is unshardable.
-- transpose/squeeze/rev map dims; slice/dynamic_slice/pad/concatenate/tile/
-  split make the touched operand dim unshardable and link it to the new
-  result dim by a `SliceEdge`; stack/unstack axes and dynamic_update_slice
-  updated dims are unshardable.
-- reductions: kept dims unify, F `reduce` over the reduced classes;
-  argmax/argmin, cumulative ops, sort and top_k make their axis unshardable.
-- gather: index batch dims unify with output batch dims, whole slice dims
-  with offset dims; F `gather` over the indexed operand dims; B `contract` of
-  the operand over the index batch classes. scatter-add: F `reduce` over the
-  update scatter classes, B `gather` of the updates; other scatters are
-  conservative.
-- conv_general_dilated: batch and features as for dot_general, spatial dims
-  unshardable, grouped convolutions conservative. reduce_window: windowed
-  dims unshardable.
-- jit/checkpoint/custom_jvp/custom_vjp/closed_call: walk the body in place.
-  scan: carries unify across the loop, the scanned dim is unshardable and body
-  events are multiplied by the length. while: carries unify, events counted
-  once (noted). cond: every branch is walked and unified with the results.
-
-Backward events on one tensor (and on views of it: reshapes, transposes,
-same-size broadcasts, casts) are merged, since the gradient is summed before
-it is all-reduced.
-"""
-
 
 logger = logging.getLogger(__name__)
 
