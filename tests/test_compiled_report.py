@@ -77,3 +77,19 @@ def test_report_serialises_to_json_and_prints_a_table():
     text = report.table()
     assert "train_step" in text and "forward_step" in text
     assert "all-reduce" in text
+
+
+def test_inspect_compiled_plans_an_auto_shard_distribution_on_the_sample_batch():
+    import keras_autoshard as ka
+
+    dist = ka.AutoShardDistribution(device_mesh=ka.MeshSpec((2, 4), ("batch", "model")))
+    x, y = zoo.mlp_batch()
+    with dist.scope():
+        model = zoo.build_mlp_block()
+        model.compile(optimizer="adam", loss="mse")
+    assert not dist.is_planned
+    report = inspect_compiled(model, dist, (x, y))
+    assert dist.is_planned and dist.plan.batch_axis == "batch"
+    assert report.train_step.count("all-reduce", ("model",)) >= 1
+    expected = sum(v.bytes_per_device(dist.plan.mesh) for v in dist.plan.variables)
+    assert report.parameter_bytes_per_device == expected

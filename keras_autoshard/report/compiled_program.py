@@ -53,8 +53,12 @@ def inspect_compiled(model, distribution, sample_batch) -> CompiledReport:
             "inspect_compiled needs a compiled model: call model.compile(...) "
             "under the distribution's scope first."
         )
+    data = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch))
+    if getattr(distribution, "is_planned", True) is False:
+        # A distribution that plans itself (AutoShardDistribution) plans on
+        # this batch first: its named planning step, as fit would take it.
+        distribution.prepare(model, data[0])
     with distribution.scope():
-        data = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch))
         model._symbolic_build(data_batch=data)
         distributed = _distribute_data(data)
         train = _compile_train_step(model, distributed)
