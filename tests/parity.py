@@ -134,3 +134,14 @@ def check_parity(build, distribution, x, y, steps: int = 5):
             scale_floor=weight_scale,
         )
     return reference, sharded
+
+
+def compiled_report(build, distribution, x, y):
+    """Build `build()` under `distribution`, compile an MSE/Adam train step on
+    `(x, y)` and return what XLA made of it (`inspect_compiled`)."""
+    from keras_autoshard import inspect_compiled
+
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+        return inspect_compiled(model, distribution, (x, y))

@@ -2,14 +2,14 @@
 parallelism, train 5 Adam steps like one device on a 2x4 mesh, and the plan
 moves no more bytes than KerasHub's own `get_layout_map` where one exists."""
 
-import keras
 import keras_hub
 import numpy as np
 import pytest
 
 import keras_autoshard as ka
-from keras_autoshard import PlanDistribution, make_device_mesh, names_replayed_after
-from tests.parity import check_parity
+from benchmarks.strategies import keras_hub_layout_map
+from keras_autoshard import PlanDistribution
+from tests.parity import check_parity, compiled_report
 
 MESH_2x4 = ka.MeshSpec((2, 4), ("batch", "model"))
 VOCAB, SEQ, HIDDEN = 64, 8, 32
@@ -66,29 +66,14 @@ def test_moe_backbone_trains_5_steps_like_one_device_with_experts_cut(name):
     assert any(n.startswith("Expert parallelism: 8 experts") for n in plan.notes)
 
 
-def _train_step_bytes(build, distribution, x, y) -> int:
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-    report = ka.inspect_compiled(model, distribution, (x, y))
-    return report.train_step.operand_bytes()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["QwenMoeBackbone", "Qwen3MoeBackbone"])
 def test_moe_plan_moves_no_more_bytes_than_keras_hub_layout_map(name):
     build, x, y = builder(name), tokens(), targets()
     auto = ka.plan(build, MESH_2x4, sample_input=x)
-    with names_replayed_after():
-        reference = build()
-    layout_map = type(reference).get_layout_map(
-        make_device_mesh(MESH_2x4),
-        model_parallel_dim_name="model",
-        data_parallel_dim_name="batch",
-    )
-    hub = keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
-    )
-    auto_bytes = _train_step_bytes(build, PlanDistribution(auto), x, y)
-    hub_bytes = _train_step_bytes(build, hub, x, y)
+    hub = keras_hub_layout_map(build, MESH_2x4)
+    auto_report = compiled_report(build, PlanDistribution(auto), x, y)
+    hub_report = compiled_report(build, hub, x, y)
+    auto_bytes = auto_report.train_step.operand_bytes()
+    hub_bytes = hub_report.train_step.operand_bytes()
     assert auto_bytes <= hub_bytes, (auto_bytes, hub_bytes)

@@ -3,21 +3,20 @@ plans and KerasHub's own layout maps, and the tight memory budget."""
 
 import dataclasses
 
-import keras
 import pytest
 
 import keras_autoshard as ka
 from benchmarks import zoo
 from benchmarks.reference_rules import keras_hub_megatron_plan
+from benchmarks.strategies import keras_hub_layout_map
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
-    inspect_compiled,
-    make_device_mesh,
     names_replayed_after,
     plan_from_rules,
 )
 from keras_autoshard.planner.planner import plan_with_cost
+from tests.parity import compiled_report
 
 MESHES = [
     MeshSpec((2, 4), ("batch", "model")),
@@ -82,13 +81,6 @@ def _handwritten(name, model, mesh):
     return plan
 
 
-def _collective_bytes(build, distribution, x, y):
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-        return inspect_compiled(model, distribution, (x, y))
-
-
 def _batch(name):
     build, batch = zoo.ZOO[name]
     x = batch()
@@ -103,23 +95,10 @@ def test_auto_plan_moves_no_more_bytes_than_the_handwritten_megatron_plan(name, 
     with names_replayed_after():
         reference = build()
     handwritten = _handwritten(name, reference, mesh)
-    auto_report = _collective_bytes(build, PlanDistribution(auto), x, y)
-    hand_report = _collective_bytes(build, PlanDistribution(handwritten), x, y)
+    auto_report = compiled_report(build, PlanDistribution(auto), x, y)
+    hand_report = compiled_report(build, PlanDistribution(handwritten), x, y)
     assert (
         auto_report.train_step.operand_bytes() <= hand_report.train_step.operand_bytes()
-    )
-
-
-def _keras_hub_map(build, mesh):
-    with names_replayed_after():
-        reference = build()
-    layout_map = type(reference).get_layout_map(
-        make_device_mesh(mesh),
-        model_parallel_dim_name="model",
-        data_parallel_dim_name="batch",
-    )
-    return keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
     )
 
 
@@ -133,8 +112,8 @@ KERAS_HUB_CASES = [("gemma", mesh) for mesh in MESHES] + [
 def test_auto_plan_moves_fewer_bytes_than_keras_hub_layout_map(name, mesh):
     build, x, y = _batch(name)
     auto = ka.plan(build, mesh, sample_input=x)
-    auto_bytes = _collective_bytes(build, PlanDistribution(auto), x, y)
-    hub_bytes = _collective_bytes(build, _keras_hub_map(build, mesh), x, y)
+    auto_bytes = compiled_report(build, PlanDistribution(auto), x, y)
+    hub_bytes = compiled_report(build, keras_hub_layout_map(build, mesh), x, y)
     assert auto_bytes.train_step.operand_bytes() < hub_bytes.train_step.operand_bytes()
 
 
@@ -145,7 +124,7 @@ def test_data_only_mesh_trades_the_embedding_gradient_all_reduce_as_estimated():
     build, x, y = _batch("gemma")
     result = plan_with_cost(build, mesh, sample_input=x)
     assert result.plan.variable("token_embedding/embeddings").spec == (None, "batch")
-    report = _collective_bytes(build, PlanDistribution(result.plan), x, y)
+    report = compiled_report(build, PlanDistribution(result.plan), x, y)
     reduced = [op for op in report.train_step.collectives if op.kind == "all-reduce"]
     assert not any("f32[1024,256]" in op.operand_shapes for op in reduced)
     compiled = report.train_step.operand_bytes()
@@ -171,12 +150,12 @@ def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh)
     mesh the budget leaves one plan, full FSDP, which is what KerasHub's map
     is there: equal bytes, not more."""
     build, x, y, tight, budget = _tight_plan(name, mesh)
-    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    report = compiled_report(build, PlanDistribution(tight), x, y)
     measured_state = (
         report.parameter_bytes_per_device + report.optimizer_bytes_per_device
     )
     assert measured_state <= budget
-    hub = _collective_bytes(build, _keras_hub_map(build, mesh), x, y)
+    hub = compiled_report(build, keras_hub_layout_map(build, mesh), x, y)
     auto_bytes = report.train_step.operand_bytes()
     hub_bytes = hub.train_step.operand_bytes()
     if mesh.axis_size("model") > 1:
@@ -196,7 +175,7 @@ def test_storage_cut_table_gathers_its_lookup_output_once():
     assert [(a.path, a.spec) for a in tight.activations] == [
         ("token_embedding/output", (None, None, None))
     ]
-    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    report = compiled_report(build, PlanDistribution(tight), x, y)
     activation_bytes = zoo.BATCH * zoo.SEQ * 256 * 4 // mesh.device_count
     gathers = [
         op
@@ -205,7 +184,7 @@ def test_storage_cut_table_gathers_its_lookup_output_once():
     ]
     assert len(gathers) == 1
     unpinned = dataclasses.replace(tight, activations=())
-    before = _collective_bytes(build, PlanDistribution(unpinned), x, y)
+    before = compiled_report(build, PlanDistribution(unpinned), x, y)
     assert report.train_step.operand_bytes() < before.train_step.operand_bytes()
 
 
@@ -221,11 +200,11 @@ def test_storage_cut_position_table_output_is_pinned_too():
         "embeddings/token_embedding/output": (None, None, None),
         "embeddings/position_embedding/output": (None, None, None),
     }
-    report = _collective_bytes(build, PlanDistribution(tight), x, y)
+    report = compiled_report(build, PlanDistribution(tight), x, y)
     lookup_only = tuple(
         a for a in tight.activations if a.path == "embeddings/token_embedding/output"
     )
     for activations in ((), lookup_only):
         other = dataclasses.replace(tight, activations=activations)
-        before = _collective_bytes(build, PlanDistribution(other), x, y)
+        before = compiled_report(build, PlanDistribution(other), x, y)
         assert report.train_step.operand_bytes() < before.train_step.operand_bytes()

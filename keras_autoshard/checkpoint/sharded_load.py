@@ -277,9 +277,9 @@ def from_preset(
         import keras_hub
 
         is_backbone = issubclass(model_class, keras_hub.models.Backbone)
+        backbone_class = model_class if is_backbone else keras_hub.models.Backbone
         with abstract_variables():
-            backbone = model_class if is_backbone else keras_hub.models.Backbone
-            backbone = backbone.from_preset(
+            backbone = backbone_class.from_preset(
                 os.fspath(preset_dir), load_weights=False, **kwargs
             )
         report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
