@@ -14,7 +14,7 @@ from keras.src.distribution.distribution_lib import Distribution
 
 from benchmarks.models import ModelCase
 from benchmarks.strategies import Strategy, StrategyNotApplicable
-from keras_autoshard import MeshSpec, inspect_compiled
+from keras_autoshard import MeshSpec, inspect_compiled, names_replayed_after
 
 WARMUP_STEPS = 2
 LEARNING_RATE = 1e-3
@@ -191,3 +191,25 @@ def _scope(distribution: Distribution | None):
     if distribution is None:
         return contextlib.nullcontext()
     return distribution.scope()
+
+
+def compiled_report(build, distribution: Distribution, x, y):
+    """Build `build()` under `distribution`, compile an MSE/Adam train step on
+    `(x, y)` and return what XLA made of it (`inspect_compiled`)."""
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        model.compile(optimizer="adam", loss="mse")
+        return inspect_compiled(model, distribution, (x, y))
+
+
+def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
+    """max |actual - expected| / max(max |expected|, scale_floor).
+
+    `scale_floor` keeps tensors that are analytically zero (the gradient of an
+    attention key bias, say) from turning rounding noise into a huge ratio.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, scale_floor)
+    diff = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
+    return diff / scale if scale > 0 else diff

@@ -15,6 +15,7 @@ _PUBLIC_NAMES = {
     "ActivationLayout": "keras_autoshard.plans.sharding_plan",
     "AutoShardError": "keras_autoshard.errors",
     "BatchSizeError": "keras_autoshard.errors",
+    "ModelNotTraceableError": "keras_autoshard.errors",
     "MeshSpec": "keras_autoshard.plans.sharding_plan",
     "PlanError": "keras_autoshard.plans.sharding_plan",
     "ShardingPlan": "keras_autoshard.plans.sharding_plan",

@@ -73,3 +73,9 @@ class HloParseError(AutoShardError, ValueError):
 
 class BatchSizeError(PlanError):
     """A batch that the data axis cannot split evenly."""
+
+
+class ModelNotTraceableError(PlanError):
+    """A model whose forward pass `jax.jit` cannot trace (so no plan and no
+    sharded step can be made from it); the message names the layer and the
+    source line where tracing stopped."""

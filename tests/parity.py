@@ -10,23 +10,11 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from benchmarks.measure import relative_error
 from keras_autoshard import names_replayed_after
 
 RELATIVE_TOLERANCE = 1e-5
 PARITY_SEED = 1234
-
-
-def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
-    """max |actual - expected| / max(max |expected|, scale_floor).
-
-    `scale_floor` keeps tensors that are analytically zero (the gradient of an
-    attention key bias, say) from turning rounding noise into a huge ratio.
-    """
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, scale_floor)
-    diff = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
-    return diff / scale if scale > 0 else diff
 
 
 def assert_close(
@@ -134,14 +122,3 @@ def check_parity(build, distribution, x, y, steps: int = 5):
             scale_floor=weight_scale,
         )
     return reference, sharded
-
-
-def compiled_report(build, distribution, x, y):
-    """Build `build()` under `distribution`, compile an MSE/Adam train step on
-    `(x, y)` and return what XLA made of it (`inspect_compiled`)."""
-    from keras_autoshard import inspect_compiled
-
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-        return inspect_compiled(model, distribution, (x, y))

@@ -305,7 +305,7 @@ def test_llama_grouped_query_attention():
                 if t.shape == (BATCH, SEQ, 2, 4, 32) and t.dim_classes[2] == kv_heads
             ]
             minor = graph.classes[repeated.dim_classes[3]]
-            assert minor.unshardable_reason == "minor factor of reshape merge"
+            assert minor.unshardable_reason.startswith("minor factor of reshape merge in layer ")
             # Backward, the all-reduce is on the un-repeated K/V (B, S, 2, D).
             source = graph.tensors[edges[kv_heads, q_heads]]
             assert source.shape == (BATCH, SEQ, 2, 32)
@@ -357,8 +357,8 @@ def test_sequential_cnn():
     graph = trace_model(_cnn(keras.layers.GlobalAveragePooling2D()), x)
     conv1, conv2 = graph.param("cnn/conv1/kernel"), graph.param("cnn/conv2/kernel")
     image = _input(graph, "x")
-    spatial = "spatial dim of conv_general_dilated"
-    for tensor in (conv1, conv2):
+    for tensor, layer in ((conv1, "conv1"), (conv2, "conv2")):
+        spatial = f"spatial dim of conv_general_dilated in layer {layer!r}"
         for dim in (0, 1):
             assert graph.classes[tensor.dim_classes[dim]].unshardable_reason == spatial
     for dim in (1, 2):
@@ -382,7 +382,7 @@ def test_sequential_cnn():
     flat = trace_model(_cnn(keras.layers.Flatten()), x)
     c2_flat = flat.param("cnn/conv2/kernel").dim_classes[3]
     reason = flat.classes[c2_flat].unshardable_reason
-    assert reason == "minor factor of reshape merge"
+    assert reason == "minor factor of reshape merge in layer 'flatten'"
     head_in = flat.param("cnn/head/kernel").dim_classes[0]
     assert any(e.target == head_in for e in flat.slice_edges)
 

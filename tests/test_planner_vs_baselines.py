@@ -7,6 +7,7 @@ import pytest
 
 import keras_autoshard as ka
 from benchmarks import zoo
+from benchmarks.measure import compiled_report
 from benchmarks.reference_rules import keras_hub_megatron_plan
 from benchmarks.strategies import keras_hub_layout_map
 from keras_autoshard import (
@@ -16,7 +17,6 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.planner.planner import plan_with_cost
-from tests.parity import compiled_report
 
 MESHES = [
     MeshSpec((2, 4), ("batch", "model")),

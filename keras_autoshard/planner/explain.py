@@ -66,7 +66,7 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
         }
     )
     if linked:
-        return "; ".join(linked) + "."
+        return _listed(linked) + "."
     reasons = sorted(
         {
             edge.reason or "a reshape"
@@ -81,6 +81,14 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
             + ") together with the other choices of the plan."
         )
     return "a dimension that carries the batch cannot take the data axis."
+
+
+def _listed(reasons: list[str], shown: int = 4) -> str:
+    """The first `shown` reasons, then how many more there are."""
+    text = "; ".join(reasons[:shown])
+    if len(reasons) > shown:
+        text += f"; and {len(reasons) - shown} more like these"
+    return text
 
 
 def variable_reason(tensor, spec, var_roles, assignment) -> str:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_autoshard.errors import ModelNotTraceableError
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
 
@@ -148,9 +150,15 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
         )
         return outputs
 
-    closed = jax.make_jaxpr(forward)(
-        [_struct(v) for v in trainable], [_struct(v) for v in non_trainable], inputs
-    )
+    try:
+        with _unfiltered_tracebacks():
+            closed = jax.make_jaxpr(forward)(
+                [_struct(v) for v in trainable],
+                [_struct(v) for v in non_trainable],
+                inputs,
+            )
+    except Exception as error:  # noqa: BLE001 - re-raised with where it stopped
+        raise not_traceable_error(model, error) from error
     input_leaves, _ = jax.tree_util.tree_flatten_with_path(inputs)
     input_names = [_keystr(path) for path, _ in input_leaves]
     invar_kinds = (
@@ -183,6 +191,53 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             for name, (_, leaf) in zip(input_names, input_leaves)
         },
     )
+
+
+def not_traceable_error(model: keras.Model, error: Exception) -> ModelNotTraceableError:
+    """A `ModelNotTraceableError` for `error`, raised while tracing `model`:
+    it names the innermost layer being called and the innermost source line
+    outside JAX and Keras (the model's own code) at the point of failure."""
+    layer, source = None, None
+    for frame, line_number in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Operation) and owner is not model:
+            layer = owner
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in _LIBRARY_PATHS):
+            source = f"{filename}:{line_number} ({frame.f_code.co_name})"
+    where = (
+        f" in layer {layer.name!r} ({type(layer).__name__})"
+        if layer is not None
+        else ""
+    )
+    line = f", at {source}" if source else ""
+    cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+    return ModelNotTraceableError(
+        f"Model {model.name!r} ({type(model).__name__}) cannot be traced by "
+        f"jax.jit with these inputs: tracing stopped{where}{line} with {cause}. "
+        "Planning and every sharded step trace the forward pass with abstract "
+        "inputs, so the call must not turn an input or a weight into a Python "
+        "value (a loop count, a shape, an `if`). Pass such values as Python "
+        "numbers or constructor arguments instead of inputs, or make the layer "
+        "compute them with ops."
+    )
+
+
+@contextlib.contextmanager
+def _unfiltered_tracebacks():
+    """Keras's traceback filtering off (it drops the frames of the layer that
+    failed), as it was afterwards."""
+    was_enabled = keras.config.is_traceback_filtering_enabled()
+    keras.config.disable_traceback_filtering()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            keras.config.enable_traceback_filtering()
+
+
+# Source files that are not the model's own code.
+_LIBRARY_PATHS = ("/jax/", "/jaxlib/", "/keras/src/", "/keras_autoshard/", "<")
 
 
 def _struct(variable) -> jax.ShapeDtypeStruct:

@@ -7,6 +7,7 @@ Each rule registers itself for its primitives with `@primitive_rule`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 from keras_autoshard.graph.jaxpr.registry import primitive_rule
@@ -102,12 +103,26 @@ def _map_reshape_group(
         for dim in group_in[1:]:
             e.mark(operand, dim, "minor factor of reshape merge")
     else:
+        # Regroup, e.g. (b·s·k, d) -> (b, s, k·d): cutting either major dim
+        # into n blocks cuts the flattened group into the same n contiguous
+        # pieces whenever n divides both. So a cut operand major dim carries
+        # over to the output's, and the output's may be cut alone (each device
+        # keeps its block of a whole operand), as for a split; the minor dims
+        # stay whole.
         in_sizes = tuple(e.shape(operand)[d] for d in group_in)
         out_sizes = tuple(e.shape(out)[d] for d in group_out)
-        reason = f"reshape {in_sizes}->{out_sizes} is neither a split nor a merge"
-        for dim in group_in:
+        reason = f"minor factor of reshape {in_sizes}->{out_sizes}"
+        if math.gcd(in_sizes[0], out_sizes[0]) > 1:
+            e.builder.add_slice_edge(
+                (operand, group_in[0]), (out, group_out[0]), "reshape regroup"
+            )
+        else:
+            reason = f"reshape {in_sizes}->{out_sizes} shares no major factor"
+            e.mark(operand, group_in[0], reason)
+            e.mark(out, group_out[0], reason)
+        for dim in group_in[1:]:
             e.mark(operand, dim, reason)
-        for dim in group_out:
+        for dim in group_out[1:]:
             e.mark(out, dim, reason)
 
 

@@ -102,11 +102,22 @@ class Eqn:
         for dim in range(self.rank(a)):
             self.unify(a, dim, b, dim)
 
+    @property
+    def layer(self) -> str:
+        """The Keras layer path this equation was traced in ("" if none)."""
+        return str(self.eqn.source_info.name_stack)
+
+    def _where(self, reason: str) -> str:
+        """`reason` with the layer named, so notes say where it happened."""
+        if not self.layer or " in layer " in reason:
+            return reason
+        return f"{reason} in layer {self.layer!r}"
+
     def mark(self, tid: int, dim: int, reason: str) -> None:
-        self.builder.mark(tid, dim, reason)
+        self.builder.mark(tid, dim, self._where(reason))
 
     def mark_all(self, tid: int, reason: str) -> None:
-        self.builder.mark_all(tid, reason)
+        self.builder.mark_all(tid, self._where(reason))
 
     def event(
         self, kind: str, phase: str, elements: Sequence[int | None], tensor: int

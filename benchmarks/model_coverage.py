@@ -1,0 +1,433 @@
+"""Model coverage: every exported KerasHub backbone, planned and checked per mesh.
+
+Run from the repository root:
+
+```
+python -m benchmarks.model_coverage [--classes BertBackbone ...]
+    [--meshes 2x4 1x8 8x1] [--output BENCHMARKS.md] [--json PATH]
+```
+
+For every `Backbone` class that `keras_hub` exports (`benchmarks/hub_backbones`:
+small configs, no downloads) the model is built once on one device and its
+forward pass compiled there (the reference). Then, for each mesh, an
+`AutoShardDistribution` plans it on the test batch (`prepare`: plan, then move
+every variable onto its planned layout device to device), the same forward
+pass is compiled under the distribution's scope, and its outputs are compared
+with the reference. The rows (status, plan seconds, share of parameter bytes
+that are cut, parameter bytes on the fullest device ÷ the ideal total ÷
+devices, read from the variables' addressable shards, whether the batch is
+split or why not, and the parity) replace the `model-coverage` section of the
+output file.
+
+`tests/test_model_coverage.py` runs the same `check_on_mesh` on every class and
+asserts what it measures.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
+
+DEVICE_COUNT = 8
+simulate_devices(DEVICE_COUNT)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.hub_backbones import CASES, HubBackboneCase, build  # noqa: E402
+from benchmarks.markdown import markdown_table, write_section  # noqa: E402
+from benchmarks.measure import relative_error  # noqa: E402
+from benchmarks.report import machine_description, versions  # noqa: E402
+from keras_autoshard import (  # noqa: E402
+    AutoShardDistribution,
+    MeshSpec,
+    names_replayed_after,
+)
+
+SECTION_NAME = "model-coverage"
+DATA_AXIS = "batch"
+MODEL_AXIS = "model"
+MESHES = {
+    "2x4": MeshSpec((2, 4), (DATA_AXIS, MODEL_AXIS)),
+    "1x8": MeshSpec((1, 8), (DATA_AXIS, MODEL_AXIS)),
+    "8x1": MeshSpec((8, 1), (DATA_AXIS, MODEL_AXIS)),
+}
+BATCH_SIZE = 8
+SEED = 1234
+
+
+@dataclasses.dataclass
+class BuiltBackbone:
+    """One backbone built on one device, with its reference outputs.
+
+    Attributes:
+        case: The configuration it was built from.
+        model: The model; its variables move onto each mesh in turn.
+        inputs: The test batch (numpy).
+        reference_outputs: The forward outputs on one device (numpy leaves).
+        weights: Every variable's initial value (numpy), in `model.variables`
+            order, to put back after a sharded run.
+        build_seconds: Wall time of the build and the reference forward pass.
+    """
+
+    case: HubBackboneCase
+    model: keras.Model
+    inputs: Any
+    reference_outputs: list[np.ndarray]
+    weights: list[np.ndarray]
+    build_seconds: float
+
+
+@dataclasses.dataclass
+class CoverageRow:
+    """What one backbone class does on one mesh.
+
+    Attributes:
+        class_name: The `keras_hub.models` class.
+        modality: "text", "vision", "audio" or "multimodal".
+        mesh: The mesh, e.g. "2x4" (data x model).
+        status: "ok", or the error that stopped it.
+        plan_seconds: Wall time of `prepare` (trace, search, moves).
+        parameter_bytes: Bytes of all variables.
+        sharded_share: Share of those bytes in variables cut over some axis.
+        per_device_over_ideal: Parameter bytes on the fullest device ÷
+            (parameter bytes ÷ devices), from the addressable shards.
+        batch_axis: The mesh axis the batch is split over, or None.
+        batch_note: Why the batch is kept whole ("" when split).
+        parity: Largest relative error over the forward outputs.
+    """
+
+    class_name: str
+    modality: str
+    mesh: str
+    status: str
+    plan_seconds: float = 0.0
+    parameter_bytes: int = 0
+    sharded_share: float = 0.0
+    per_device_over_ideal: float = 0.0
+    batch_axis: str | None = None
+    batch_note: str = ""
+    parity: float = float("nan")
+
+
+def _forward(model: keras.Model):
+    """A jitted `(trainable, non_trainable, inputs) -> output leaves`."""
+
+    def forward(trainable, non_trainable, inputs):
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
+        return jax.tree_util.tree_leaves(outputs)
+
+    return jax.jit(forward)
+
+
+def _values(model: keras.Model):
+    return (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+    )
+
+
+def build_backbone(case: HubBackboneCase, batch_size: int = BATCH_SIZE):
+    """Build `case` on one device and compute its reference forward outputs."""
+    start = time.perf_counter()
+    keras.utils.set_random_seed(SEED)
+    with names_replayed_after():
+        model = build(case)
+    inputs = case.make_inputs(batch_size)
+    built = BuiltBackbone(
+        case=case,
+        model=model,
+        inputs=inputs,
+        reference_outputs=[],
+        weights=[np.asarray(v.value) for v in model.variables],
+        build_seconds=0.0,
+    )
+    built.reference_outputs = forward_on_one_device(built, inputs)
+    built.build_seconds = time.perf_counter() - start
+    return built
+
+
+def forward_on_one_device(built: BuiltBackbone, inputs) -> list[np.ndarray]:
+    """The model's forward output leaves for `inputs`, on one device."""
+    outputs = _forward(built.model)(*_values(built.model), inputs)
+    return [np.asarray(o) for o in outputs]
+
+
+def _device_bytes(model: keras.Model) -> dict:
+    """Bytes of the model's variables held on each device."""
+    per_device: dict = {}
+    seen = set()
+    for variable in model.variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        for shard in variable.value.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + (
+                shard.data.nbytes
+            )
+    return per_device
+
+
+def check_on_mesh(built: BuiltBackbone, mesh_name: str) -> CoverageRow:
+    """Plan `built.model` on a mesh, run it sharded and compare with one device.
+
+    Errors from planning or running are caught into the row's `status`; the
+    batch-kept-whole warning is recorded in `batch_note`, not shown.
+    """
+    mesh = MESHES[mesh_name]
+    row = CoverageRow(built.case.class_name, built.case.modality, mesh_name, "ok")
+    model = built.model
+    distribution = AutoShardDistribution(device_mesh=mesh)
+    try:
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = distribution.prepare(model, built.inputs)
+        row.plan_seconds = time.perf_counter() - start
+        row.batch_axis = plan.batch_axis
+        row.batch_note = " ".join(n for n in plan.notes if n.startswith("The batch"))
+        total = sum(v.total_bytes for v in plan.variables)
+        cut = sum(v.total_bytes for v in plan.variables if any(v.spec))
+        row.parameter_bytes = total
+        row.sharded_share = cut / total if total else 0.0
+        fullest = max(_device_bytes(model).values(), default=0)
+        row.per_device_over_ideal = fullest * DEVICE_COUNT / total if total else 1.0
+        with distribution.scope():
+            inputs = _distributed(distribution, built.inputs)
+            trainable, non_trainable = _values(model)
+            outputs = _forward(model)(trainable, non_trainable, inputs)
+        if len(outputs) != len(built.reference_outputs):
+            raise AssertionError(
+                f"{len(outputs)} outputs sharded, {len(built.reference_outputs)} "
+                "on one device"
+            )
+        row.parity = max(
+            (
+                relative_error(out, ref)
+                for out, ref in zip(outputs, built.reference_outputs)
+            ),
+            default=0.0,
+        )
+    except Exception as error:  # noqa: BLE001 - the row records any failure
+        row.status = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    finally:
+        restore_weights(built)
+    return row
+
+
+@dataclasses.dataclass
+class TrainStepParity:
+    """One SGD step of a mean-square loss on the outputs, sharded vs one device.
+
+    Attributes:
+        loss: Relative error of the loss.
+        gradients: Largest relative error of any gradient, each judged against
+            at least 1e-3 of the largest gradient (a gradient that is
+            analytically zero is rounding noise on both sides).
+        weights: Largest relative error of any updated weight, judged against
+            the largest weight.
+        worst_gradient: Path of the variable with the largest gradient error.
+    """
+
+    loss: float
+    gradients: float
+    weights: float
+    worst_gradient: str
+
+
+def _train_step(model: keras.Model, learning_rate: float = 0.1):
+    """A jitted `(trainable, non_trainable, inputs) -> (loss, grads, updated)`:
+    the mean square of every float output, and one SGD step."""
+
+    def loss_fn(trainable, non_trainable, inputs):
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
+        leaves = jax.tree_util.tree_leaves(outputs)
+        floats = [o for o in leaves if jnp.issubdtype(o.dtype, jnp.floating)]
+        return sum(jnp.mean(jnp.square(o)) for o in floats)
+
+    def step(trainable, non_trainable, inputs):
+        loss, grads = jax.value_and_grad(loss_fn)(trainable, non_trainable, inputs)
+        updated = [w - learning_rate * g for w, g in zip(trainable, grads)]
+        return loss, grads, updated
+
+    return jax.jit(step)
+
+
+def train_step_parity(built: BuiltBackbone, mesh_name: str) -> TrainStepParity:
+    """One training step planned on `mesh_name` against one device."""
+    model = built.model
+    reference = _train_step(model)(*_values(model), built.inputs)
+    reference = jax.tree_util.tree_map(np.asarray, reference)
+    distribution = AutoShardDistribution(device_mesh=MESHES[mesh_name])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            distribution.prepare(model, built.inputs)
+        with distribution.scope():
+            inputs = _distributed(distribution, built.inputs)
+            sharded = _train_step(model)(*_values(model), inputs)
+    finally:
+        restore_weights(built)
+    (loss, grads, updated), (ref_loss, ref_grads, ref_updated) = sharded, reference
+    floor = 1e-3 * max((float(np.max(np.abs(g))) for g in ref_grads), default=0.0)
+    grad_errors = [
+        relative_error(g, r, scale_floor=floor) for g, r in zip(grads, ref_grads)
+    ]
+    weight_scale = max((float(np.max(np.abs(w))) for w in ref_updated), default=0.0)
+    worst = int(np.argmax(grad_errors)) if grad_errors else 0
+    return TrainStepParity(
+        loss=relative_error(loss, ref_loss),
+        gradients=max(grad_errors, default=0.0),
+        weights=max(
+            (
+                relative_error(w, r, scale_floor=weight_scale)
+                for w, r in zip(updated, ref_updated)
+            ),
+            default=0.0,
+        ),
+        worst_gradient=model.trainable_variables[worst].path if grad_errors else "",
+    )
+
+
+def _distributed(distribution, inputs):
+    """`inputs` put on the devices with the distribution's data layouts."""
+    return jax.tree_util.tree_map(
+        lambda a: jax.device_put(
+            a, distribution.get_data_layout(a.shape).backend_layout
+        ),
+        inputs,
+    )
+
+
+def restore_weights(built: BuiltBackbone) -> None:
+    """Put the initial weights back on one device (undo a plan's moves)."""
+    device = jax.devices()[0]
+    for variable, value in zip(built.model.variables, built.weights):
+        variable._layout = None
+        variable._value = jax.device_put(value, device)
+
+
+def run(
+    class_names: Sequence[str], mesh_names: Sequence[str], log=print
+) -> list[CoverageRow]:
+    """Coverage rows for every class on every mesh."""
+    rows = []
+    for class_name in class_names:
+        case = CASES[class_name]
+        try:
+            built = build_backbone(case)
+        except Exception as error:  # noqa: BLE001
+            status = f"build fails: {type(error).__name__}: {error}"[:200]
+            rows += [
+                CoverageRow(class_name, case.modality, mesh, status)
+                for mesh in mesh_names
+            ]
+            continue
+        for mesh_name in mesh_names:
+            row = check_on_mesh(built, mesh_name)
+            log(
+                f"{class_name:32s} {mesh_name} {row.status[:60]:20s} "
+                f"plan {row.plan_seconds:5.1f}s parity {row.parity:.2g} "
+                f"batch {row.batch_axis}"
+            )
+            rows.append(row)
+        jax.clear_caches()
+    return rows
+
+
+def render(rows: Sequence[CoverageRow], command: str) -> str:
+    """The `model-coverage` section: one row per class × mesh."""
+    table = markdown_table(
+        [
+            "class",
+            "modality",
+            "mesh",
+            "status",
+            "plan s",
+            "params",
+            "bytes cut",
+            "per device ÷ ideal",
+            "batch",
+            "parity",
+        ],
+        [
+            [
+                row.class_name,
+                row.modality,
+                row.mesh,
+                row.status,
+                f"{row.plan_seconds:.1f}",
+                f"{row.parameter_bytes / 1024:.0f} KiB",
+                f"{row.sharded_share:.0%}",
+                f"{row.per_device_over_ideal:.2f}",
+                _batch_cell(row),
+                f"{row.parity:.1e}",
+            ]
+            for row in rows
+        ],
+    )
+    ok = sum(row.status == "ok" for row in rows)
+    return (
+        "## Model coverage: every exported KerasHub backbone\n\n"
+        f"Command: `{command}`\n\n"
+        f"{machine_description()}; {versions()}. Each backbone is built once from "
+        "a small config (`benchmarks/hub_backbones`, batch "
+        f"{BATCH_SIZE}), planned by `AutoShardDistribution.prepare` on each mesh "
+        "and run forward against the same weights on one device. `bytes cut`: "
+        "share of parameter bytes in variables cut over some mesh axis; "
+        "`per device ÷ ideal`: parameter bytes on the fullest device ÷ (all "
+        "parameter bytes ÷ 8), read from the arrays' addressable shards (small "
+        "configs: biases and norms that are too small to be worth cutting weigh "
+        "more than in real sizes); `batch`: the axis the batch is split over, or "
+        "why it is kept whole; `parity`: largest relative error of any output.\n\n"
+        f"{ok} of {len(rows)} class × mesh rows pass.\n\n{table}\n"
+    )
+
+
+def _batch_cell(row: CoverageRow) -> str:
+    if row.batch_axis is not None:
+        return row.batch_axis
+    if MESHES[row.mesh].shape[0] == 1:
+        return "— (no data axis)"
+    return row.batch_note or "whole"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", nargs="+", default=sorted(CASES))
+    parser.add_argument("--meshes", nargs="+", default=list(MESHES))
+    parser.add_argument("--output", default="BENCHMARKS.md")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = run(args.classes, args.meshes)
+    command = "python -m benchmarks.model_coverage " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    write_section(args.output, SECTION_NAME, render(rows, command.strip()))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump([dataclasses.asdict(row) for row in rows], file, indent=1)
+
+
+if __name__ == "__main__":
+    main()

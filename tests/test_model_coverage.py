@@ -1,0 +1,123 @@
+"""Every Backbone class that keras_hub 0.32.0 exports, on 2x4, 1x8 and 8x1.
+
+Each class is built once from a small config (`benchmarks/hub_backbones`,
+batch 8) on one device; on each mesh `AutoShardDistribution.prepare` plans it
+and moves its variables, and the forward pass under the plan must match one
+device within 1e-5 relative, with the batch split over the data axis (8
+divides every data axis here). Text backbones also take one training step on
+2x4 (loss, every gradient, every updated weight). The checks are
+`benchmarks.model_coverage`'s, which also writes the BENCHMARKS.md table.
+
+Exceptions are listed below with their reason; a listed class must still fail
+(or keep its batch whole) for the reason given, so the list cannot go stale.
+"""
+
+import functools
+
+import keras_hub
+import numpy as np
+import pytest
+
+from benchmarks import model_coverage as coverage
+from benchmarks.hub_backbones import CASES, exported_backbone_classes
+
+KERAS_HUB_VERSION = "0.32.0"
+EXPORTED_BACKBONE_COUNT = 84
+TOLERANCE = 1e-5
+TRAIN_MESH = "2x4"
+
+# Class → why its batch is kept whole on a data axis (a phrase of the plan's
+# note that must say so).
+BATCH_KEPT_WHOLE: dict[str, str] = {}
+
+# Class → why a looser forward tolerance: the bound is what perturbing the
+# float inputs by 1e-7 (relative) moves the unsharded output by, measured in
+# `test_looser_tolerance_is_earned_by_perturbation`.
+ILL_CONDITIONED: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def built_backbone(class_name: str) -> coverage.BuiltBackbone:
+    """The class built on one device; kept while its meshes run (the cases are
+    ordered class by class)."""
+    return coverage.build_backbone(CASES[class_name])
+
+
+def test_cases_cover_every_exported_backbone_class():
+    assert keras_hub.__version__ == KERAS_HUB_VERSION
+    exported = exported_backbone_classes()
+    assert len(exported) == EXPORTED_BACKBONE_COUNT
+    assert sorted(CASES) == exported
+    modalities = {case.modality for case in CASES.values()}
+    assert modalities == {"text", "vision", "audio", "multimodal"}
+
+
+TRAIN_STEP = "train step on " + TRAIN_MESH
+CHECKS = [
+    (class_name, check)
+    for class_name, case in sorted(CASES.items())
+    for check in [*coverage.MESHES, *([TRAIN_STEP] if case.modality == "text" else [])]
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("class_name, check", CHECKS)
+def test_backbone_plans_and_matches_one_device(class_name, check):
+    """`check` is a mesh (forward parity, batch split) or the training step;
+    they run class by class so that each class is built once."""
+    built = built_backbone(class_name)
+    if check == TRAIN_STEP:
+        assert_trains_one_step_like_one_device(built)
+    else:
+        assert_forward_matches_on_mesh(built, check)
+
+
+def assert_forward_matches_on_mesh(built, mesh_name):
+    class_name = built.case.class_name
+    row = coverage.check_on_mesh(built, mesh_name)
+    assert row.status == "ok", f"{class_name} on {mesh_name}: {row.status}"
+    tolerance = TOLERANCE
+    if class_name in ILL_CONDITIONED:
+        tolerance = max(TOLERANCE, perturbation_bound(built))
+    assert row.parity <= tolerance, (
+        f"{class_name} on {mesh_name}: relative error {row.parity:.3g}"
+    )
+    data_axis_size = coverage.MESHES[mesh_name].shape[0]
+    if data_axis_size == 1:
+        return
+    assert coverage.BATCH_SIZE % data_axis_size == 0
+    if class_name in BATCH_KEPT_WHOLE:
+        assert row.batch_axis is None
+        assert BATCH_KEPT_WHOLE[class_name] in row.batch_note, row.batch_note
+    else:
+        assert row.batch_axis == "batch", (
+            f"{class_name} on {mesh_name} keeps its batch whole: {row.batch_note}"
+        )
+
+
+def assert_trains_one_step_like_one_device(built):
+    parity = coverage.train_step_parity(built, TRAIN_MESH)
+    assert parity.loss <= TOLERANCE, parity
+    assert parity.gradients <= TOLERANCE, parity
+    assert parity.weights <= TOLERANCE, parity
+
+
+def perturbation_bound(built: coverage.BuiltBackbone) -> float:
+    """How far (relative) the one-device output moves when every float input
+    is scaled by (1 + 1e-7)."""
+    import jax
+
+    def nudge(a):
+        a = np.asarray(a)
+        return a * np.float32(1 + 1e-7) if a.dtype.kind == "f" else a
+
+    nudged = jax.tree_util.tree_map(nudge, built.inputs)
+    outputs = coverage.forward_on_one_device(built, nudged)
+    return max(
+        coverage.relative_error(o, r) for o, r in zip(outputs, built.reference_outputs)
+    )
+
+
+@pytest.mark.parametrize("class_name", sorted(ILL_CONDITIONED))
+def test_looser_tolerance_is_earned_by_perturbation(class_name):
+    assert perturbation_bound(built_backbone(class_name)) > TOLERANCE
