@@ -58,6 +58,7 @@ from keras_autoshard import (  # noqa: E402
     AutoShardDistribution,
     MeshSpec,
     names_replayed_after,
+    plan,
 )
 
 SECTION_NAME = "model-coverage"
@@ -333,7 +334,7 @@ def run(
         try:
             built = build_backbone(case)
         except Exception as error:  # noqa: BLE001
-            status = f"build fails: {type(error).__name__}: {error}"[:200]
+            status = f"fails: {_planning_error(case, error)}"
             rows += [
                 CoverageRow(class_name, case.modality, mesh, status)
                 for mesh in mesh_names
@@ -349,6 +350,17 @@ def run(
             rows.append(row)
         jax.clear_caches()
     return rows
+
+
+def _planning_error(case: HubBackboneCase, error: Exception) -> str:
+    """What planning says of a case whose one-device forward pass failed with
+    `error` (the library's error names the layer; JAX's may not)."""
+    try:
+        model = build(case)
+        plan(model, MESHES["2x4"], sample_input=case.make_inputs(BATCH_SIZE))
+    except Exception as planning_error:  # noqa: BLE001
+        error = planning_error
+    return f"{type(error).__name__}: {str(error).split('. ')[0][:300]}"
 
 
 def render(rows: Sequence[CoverageRow], command: str) -> str:
@@ -405,7 +417,12 @@ def _batch_cell(row: CoverageRow) -> str:
         return row.batch_axis
     if MESHES[row.mesh].shape[0] == 1:
         return "— (no data axis)"
-    return row.batch_note or "whole"
+    why = (
+        row.batch_note.split("Why: ")[1].split(". The batch")[0]
+        if row.batch_note
+        else ""
+    )
+    return f"whole: {why[:160]}" if why else "whole"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -270,3 +270,107 @@ def test_a_primitive_with_no_rule_keeps_the_batch_whole_and_the_note_names_it():
     assert plan.batch_axis is None
     (note,) = [n for n in plan.notes if n.startswith("The batch of")]
     assert "unknown primitive 'approx_top_k' in layer 'top_scores'" in note
+
+
+class Regroup(keras.layers.Layer):
+    """(b, s, 8) → (b·s·2, 4) → Dense → (b, s, 8): a reshape that is neither a
+    pure split nor a pure merge, its batch in the major factor of both sides
+    (as in gated delta rules, Qwen3.5)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mix = keras.layers.Dense(4, name="mix")
+
+    def call(self, x):
+        batch_seq = x.shape[1]
+        pieces = keras.ops.reshape(x, (-1, 4))
+        return keras.ops.reshape(self.mix(pieces), (-1, batch_seq, 8))
+
+
+def regroup_model():
+    inputs = keras.Input((16, 32), name="features")
+    hidden = keras.layers.Dense(8, name="down")(inputs)
+    hidden = Regroup(name="regroup")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
+
+
+class Windows(keras.layers.Layer):
+    """Swin's window partition and reverse: (b, H, W, C) → (b·n, 2·2, C),
+    a Dense per window, then (b, n, 4, C) + a per-window bias (only reshapes
+    and an add touch the b·n dim there) and back to (b, H, W, C)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.mix = keras.layers.Dense(16, name="window_mix")
+
+    def build(self, input_shape):
+        _, height, width, channels = input_shape
+        self.windows = (height // 2) * (width // 2)
+        self.bias = self.add_weight(
+            shape=(self.windows, 4, channels), initializer="ones", name="bias"
+        )
+
+    def call(self, x):
+        _, height, width, channels = x.shape
+        x = keras.ops.reshape(x, (-1, height // 2, 2, width // 2, 2, channels))
+        x = keras.ops.transpose(x, (0, 1, 3, 2, 4, 5))
+        x = self.mix(keras.ops.reshape(x, (-1, 4, channels)))
+        x = keras.ops.reshape(x, (-1, self.windows, 4, channels)) + self.bias
+        x = keras.ops.reshape(x, (-1, height // 2, width // 2, 2, 2, channels))
+        x = keras.ops.transpose(x, (0, 1, 3, 2, 4, 5))
+        return keras.ops.reshape(x, (-1, height, width, channels))
+
+
+def window_model():
+    inputs = keras.Input((4, 4, 16), name="image")
+    hidden = Windows(name="windows")(keras.layers.Dense(16, name="embed")(inputs))
+    return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
+
+
+@pytest.mark.parametrize("mesh", [MESH_2x4, MESH_8x1], ids=str)
+@pytest.mark.parametrize(
+    "build, x_shape, y_shape",
+    [
+        (regroup_model, (8, 16, 32), (8, 16, 8)),
+        (window_model, (8, 4, 4, 16), (8, 4, 4, 8)),
+    ],
+    ids=["regroup", "windows"],
+)
+def test_reshapes_that_regroup_the_batch_keep_it_split(build, x_shape, y_shape, mesh):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype("float32")
+    y = rng.standard_normal(y_shape).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=mesh)
+    check_parity(build, dist, x, y, steps=2)
+    assert dist.plan.batch_axis == "batch"
+    assert not [n for n in dist.plan.notes if n.startswith("The batch of")]
+
+
+class LinspaceFromInput(keras.layers.Layer):
+    """Turns an input into a Python length: not traceable by jax.jit."""
+
+    def call(self, x, steps):
+        return x * keras.ops.sum(keras.ops.linspace(0.0, 1.0, steps[0]))
+
+
+class Scheduled(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, name="dense")
+        self.schedule = LinspaceFromInput(name="schedule")
+
+    def call(self, inputs):
+        features, steps = inputs
+        return self.schedule(self.dense(features), steps)
+
+
+def test_a_model_jax_cannot_trace_is_a_clear_error_naming_layer_and_line():
+    batch = (np.ones((8, 4), "float32"), np.full((8,), 3, "int32"))
+    model = Scheduled()
+    model(batch)  # eagerly the length is a number: the model builds and runs
+    with pytest.raises(ka.ModelNotTraceableError) as error:
+        ka.plan(model, MESH_2x4, sample_input=batch)
+    message = str(error.value)
+    assert "tracing stopped in layer 'schedule' (LinspaceFromInput)" in message
+    assert "test_batch_split.py:" in message and "(call)" in message
+    assert "ConcretizationTypeError" in message

@@ -439,8 +439,12 @@ def _solve(graph, axes, options, pins, batch_split) -> Assignment:
 
 
 def _eligible_classes(graph: AxisGraph) -> set[int]:
-    """Classes worth deciding: those of parameters and of comm-event tensors."""
-    eligible = set()
+    """Classes worth deciding: those of parameters and of comm-event tensors,
+    and every class that carries the batch. A class with no variable stays
+    whole, and a slice edge into it keeps its source whole too: a batch class
+    left out (the `b·windows` dim between two reshapes that no contraction
+    names) would keep the whole batch from being split."""
+    eligible = set(batch_carrying_classes(graph))
     for tensor in graph.tensors:
         if tensor.kind == "param":
             eligible.update(c for c in tensor.dim_classes if c is not None)

@@ -204,7 +204,8 @@ def not_traceable_error(model: keras.Model, error: Exception) -> ModelNotTraceab
             layer = owner
         filename = frame.f_code.co_filename
         if not any(part in filename for part in _LIBRARY_PATHS):
-            source = f"{filename}:{line_number} ({frame.f_code.co_name})"
+            short = filename.split("site-packages/")[-1]
+            source = f"{short}:{line_number} ({frame.f_code.co_name})"
     where = (
         f" in layer {layer.name!r} ({type(layer).__name__})"
         if layer is not None
