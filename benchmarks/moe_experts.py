@@ -149,7 +149,7 @@ def measure(name: str, mesh: MeshSpec = MESH_2x4) -> MoeRow:
         auto_all_reduce=auto.train_step.count("all-reduce"),
         expert_kernels=len(experts),
         expert_placement=placement[0] if placement else "no experts dim found",
-        params_over_ideal=auto.parameter_bytes_per_device * mesh.size / total,
+        params_over_ideal=auto.parameter_bytes_per_device * mesh.device_count / total,
     )
 
 
@@ -191,7 +191,12 @@ def render(rows: Sequence[MoeRow], command: str) -> str:
         "one compiled MSE/Adam training step; the counts are the auto plan's. "
         "*expert placement* is the plan's note on the experts dim of the "
         "stacked expert kernels; *params ÷ ideal* is parameter bytes on the "
-        "fullest device ÷ (all parameter bytes ÷ 8).\n\n"
+        "fullest device ÷ (all parameter bytes ÷ 8). KerasHub's MoE layers "
+        "run every expert on every token (dense dispatch) and weight the "
+        "outputs by the router, so with the experts dim cut each device runs "
+        "its experts on its rows and XLA sums the weighted outputs with an "
+        "all-reduce over the model axis: no op gathers tokens per expert, so "
+        "no all-to-all appears (XLA chooses).\n\n"
         f"{table}\n\nNo KerasHub map:\n\n{missing}\n"
     )
 

@@ -40,6 +40,7 @@ from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelSetup,
     tensor_parallel_setup,
 )
+from keras_autoshard.errors import ModelNotTraceableError
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 
@@ -140,9 +141,12 @@ class JaxTensorParallel(TensorParallel):
         try:
             self._build_wrapped(sample_input)
             return self._distribution.prepare(self, sample_input)
-        except (PlanError, TensorParallelError, NotImplementedError):
-            raise
         except Exception as error:
+            passes = (PlanError, TensorParallelError, NotImplementedError)
+            if isinstance(error, passes) and not isinstance(
+                error, ModelNotTraceableError
+            ):
+                raise
             cause = _root_cause(error)
             raise TensorParallelError(
                 f"Cannot trace model {self.wrapped_model.name!r} to plan its "
