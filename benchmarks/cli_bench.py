@@ -94,6 +94,20 @@ BENCHMARKS = {
             "host memory of loading a 2 GB KerasHub preset sharded (from_preset)",
         ),
         Benchmark(
+            "model_coverage",
+            "benchmarks.model_coverage",
+            "model-coverage",
+            ("--meshes", "2x4"),
+            "every exported KerasHub backbone class planned on 2x4, 1x8, 8x1",
+        ),
+        Benchmark(
+            "moe_experts",
+            "benchmarks.moe_experts",
+            "moe",
+            (),
+            "KerasHub MoE backbones: expert parallelism vs KerasHub's layout map",
+        ),
+        Benchmark(
             "torch_ranks",
             "benchmarks.torch_ranks",
             "torch-ranks",
