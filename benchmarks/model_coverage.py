@@ -253,27 +253,47 @@ class TrainStepParity:
 
 
 def _train_step(model: keras.Model, learning_rate: float = 0.1):
-    """A jitted `(trainable, non_trainable, inputs) -> (loss, grads, updated)`:
-    the mean square of every float output, and one SGD step."""
+    """A jitted `(trainable, non_trainable, inputs, targets) -> (loss, grads,
+    updated)`: the mean squared error of every float output against its
+    target, and one SGD step."""
 
-    def loss_fn(trainable, non_trainable, inputs):
+    def loss_fn(trainable, non_trainable, inputs, targets):
         outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
-        leaves = jax.tree_util.tree_leaves(outputs)
-        floats = [o for o in leaves if jnp.issubdtype(o.dtype, jnp.floating)]
-        return sum(jnp.mean(jnp.square(o)) for o in floats)
+        floats = _float_leaves(outputs)
+        return sum(jnp.mean(jnp.square(o - t)) for o, t in zip(floats, targets))
 
-    def step(trainable, non_trainable, inputs):
-        loss, grads = jax.value_and_grad(loss_fn)(trainable, non_trainable, inputs)
+    def step(trainable, non_trainable, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(
+            trainable, non_trainable, inputs, targets
+        )
         updated = [w - learning_rate * g for w, g in zip(trainable, grads)]
         return loss, grads, updated
 
     return jax.jit(step)
 
 
+def _float_leaves(outputs) -> list:
+    leaves = jax.tree_util.tree_leaves(outputs)
+    return [o for o in leaves if jnp.issubdtype(o.dtype, jnp.floating)]
+
+
+def regression_targets(built: BuiltBackbone) -> list[np.ndarray]:
+    """Random targets, one per float output. (Not the outputs' mean square:
+    most backbones end in a layer norm, whose output's mean square is
+    constant, so that loss would leave every earlier gradient zero up to
+    rounding.)"""
+    rng = np.random.default_rng(SEED)
+    return [
+        rng.standard_normal(o.shape).astype(o.dtype)
+        for o in _float_leaves(built.reference_outputs)
+    ]
+
+
 def train_step_parity(built: BuiltBackbone, mesh_name: str) -> TrainStepParity:
     """One training step planned on `mesh_name` against one device."""
     model = built.model
-    reference = _train_step(model)(*_values(model), built.inputs)
+    targets = regression_targets(built)
+    reference = _train_step(model)(*_values(model), built.inputs, targets)
     reference = jax.tree_util.tree_map(np.asarray, reference)
     distribution = AutoShardDistribution(device_mesh=MESHES[mesh_name])
     try:
@@ -282,7 +302,7 @@ def train_step_parity(built: BuiltBackbone, mesh_name: str) -> TrainStepParity:
             distribution.prepare(model, built.inputs)
         with distribution.scope():
             inputs = _distributed(distribution, built.inputs)
-            sharded = _train_step(model)(*_values(model), inputs)
+            sharded = _train_step(model)(*_values(model), inputs, targets)
     finally:
         restore_weights(built)
     (loss, grads, updated), (ref_loss, ref_grads, ref_updated) = sharded, reference
@@ -303,6 +323,35 @@ def train_step_parity(built: BuiltBackbone, mesh_name: str) -> TrainStepParity:
             default=0.0,
         ),
         worst_gradient=model.trainable_variables[worst].path if grad_errors else "",
+    )
+
+
+def train_step_sensitivity(built: BuiltBackbone, nudge: float = 1e-7) -> float:
+    """How far (relative, as `TrainStepParity.gradients` judges it) the
+    one-device gradients move when every weight moves by `nudge` (relative),
+    each by ± at random (seeded): the rounding-level change a model's
+    training step amplifies. A sharded step differs from one device by
+    reduction order only, so a model whose gradients move more than the
+    tolerance under this nudge is ill-conditioned, not wrongly sharded.
+    (Scaling every weight by the same factor would mostly cancel in the
+    normalisation layers.)"""
+    model = built.model
+    targets = regression_targets(built)
+    trainable, non_trainable = _values(model)
+    step = _train_step(model)
+    _, reference, _ = step(trainable, non_trainable, built.inputs, targets)
+    rng = np.random.default_rng(SEED)
+    nudged = [
+        np.asarray(w)
+        * (1 + nudge * rng.choice([-1.0, 1.0], size=w.shape)).astype(w.dtype)
+        for w in trainable
+    ]
+    _, moved, _ = step(nudged, non_trainable, built.inputs, targets)
+    reference = [np.asarray(g) for g in reference]
+    floor = 1e-3 * max((float(np.max(np.abs(g))) for g in reference), default=0.0)
+    return max(
+        (relative_error(g, r, scale_floor=floor) for g, r in zip(moved, reference)),
+        default=0.0,
     )
 
 

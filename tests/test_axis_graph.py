@@ -305,7 +305,9 @@ def test_llama_grouped_query_attention():
                 if t.shape == (BATCH, SEQ, 2, 4, 32) and t.dim_classes[2] == kv_heads
             ]
             minor = graph.classes[repeated.dim_classes[3]]
-            assert minor.unshardable_reason.startswith("minor factor of reshape merge in layer ")
+            assert minor.unshardable_reason.startswith(
+                "minor factor of reshape merge in layer "
+            )
             # Backward, the all-reduce is on the un-repeated K/V (B, S, 2, D).
             source = graph.tensors[edges[kv_heads, q_heads]]
             assert source.shape == (BATCH, SEQ, 2, 32)

@@ -23,7 +23,7 @@ from keras_autoshard import (
     names_replayed_after,
     plan_from_rules,
 )
-from keras_autoshard.checkpoint.keras_layout import keras_h5_keys
+from keras_autoshard.trace.keras_layout import keras_h5_keys
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 MEGATRON_RULES = {

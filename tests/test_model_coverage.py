@@ -50,6 +50,22 @@ BATCH_KEPT_WHOLE: dict[str, tuple[str, str]] = {
     ),
 }
 
+# Class → why its training step is checked against a looser bound. The
+# bound is earned in the test: `train_step_sensitivity` nudges every weight
+# by ±1e-7 (relative) on one device and measures how far the gradients move;
+# the class must move by at least half the tolerance, and its sharded step
+# may then differ by up to twice that measured change (the same order: a
+# sharded step differs from one device by the order of its sums only).
+ILL_CONDITIONED_TRAINING: dict[str, str] = {
+    "EdRecBackbone": "gradients move by ~4e-5 under the nudge (cross-attention)",
+    "SigLIPTextEncoder": (
+        "~1e-5: the worst is an attention key bias, whose gradient is zero "
+        "analytically (softmax is invariant to it), so pure rounding"
+    ),
+    "T5Backbone": "~1.6e-5 under the nudge (relative attention buckets)",
+    "T5Gemma2Backbone": "~8e-6 under the nudge (query/key norms)",
+}
+
 # Class → (why it cannot be planned, a phrase of the clear error it raises).
 NOT_TRACEABLE: dict[str, tuple[str, str]] = {
     "StableDiffusion3Backbone": (
@@ -134,6 +150,14 @@ def assert_fails_with_a_clear_error(class_name, mesh_name):
 
 def assert_trains_one_step_like_one_device(built):
     parity = coverage.train_step_parity(built, TRAIN_MESH)
+    bound = TOLERANCE
+    if built.case.class_name in ILL_CONDITIONED_TRAINING:
+        sensitivity = coverage.train_step_sensitivity(built)
+        assert sensitivity >= TOLERANCE / 2, (
+            f"{built.case.class_name} moves by {sensitivity:.3g} only: not "
+            "ill-conditioned, take it off the list"
+        )
+        bound = max(TOLERANCE, 2 * sensitivity)
     assert parity.loss <= TOLERANCE, parity
-    assert parity.gradients <= TOLERANCE, parity
-    assert parity.weights <= TOLERANCE, parity
+    assert parity.gradients <= bound, parity
+    assert parity.weights <= bound, parity

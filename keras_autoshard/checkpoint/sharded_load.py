@@ -13,7 +13,7 @@ Names in files map to variables as follows:
 - `.weights.h5`, `.keras` and Keras sharded weights (`.weights.json` index
   of several `.weights.h5` files): Keras's own layout, dataset
   `layers/<layer>/vars/<i>` (nested layers and attributes as Keras walks
-  them), `optimizer/vars/<i>` for optimizer state; see `keras_layout`.
+  them), `optimizer/vars/<i>` for optimizer state; see `trace/keras_layout.py`.
 - safetensors: a key is, in this order, translated by `name_map` when given,
   then matched against variable paths (`"dense/kernel"`, as
   `variable.path`), then against the `.weights.h5` dataset keys above, so a
@@ -42,17 +42,18 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
-from keras_autoshard.checkpoint.keras_layout import OPTIMIZER_GROUP, keras_h5_keys
-from keras_autoshard.checkpoint.tensor_files import (
+from keras_autoshard.errors import CheckpointError
+from keras_autoshard.progress import progress_bar
+from keras_autoshard.runtime.tensor_files import (
     H5TensorFile,
     SafetensorsTensorFile,
     SliceIndex,
     StoredTensor,
     TensorFile,
+    check_compatible,
     numpy_dtype,
 )
-from keras_autoshard.errors import CheckpointError
-from keras_autoshard.progress import progress_bar
+from keras_autoshard.trace.keras_layout import OPTIMIZER_GROUP, keras_h5_keys
 
 logger = logging.getLogger(__name__)
 
@@ -137,10 +138,11 @@ def load_weights_sharded(
     ```
     """
     start = time.perf_counter()
+    model = weights_owner(model)
     with _opened_files(os.fspath(path)) as files:
         targets, skipped = _match_tensors(model, files, name_map)
         for tensor, variable in targets.values():
-            _check_compatible(tensor, variable)
+            check_compatible(tensor, variable)
             owner = _owner(files, tensor)
             if isinstance(owner, H5TensorFile):
                 owner.check_within_file(tensor.key)
@@ -454,27 +456,29 @@ def _mapped_name(key: str, name_map: NameMap | None) -> str | None:
     return name_map.get(key, key)
 
 
-def _check_compatible(tensor: StoredTensor, variable) -> None:
-    shape = tuple(int(s) for s in variable.shape)
-    if tensor.shape != shape:
-        raise CheckpointError(
-            f"Tensor {tensor.key!r} in {tensor.file} has shape {tensor.shape} but "
-            f"variable {variable.path!r} has shape {shape}. The file is from a "
-            "model with other dimensions; build the model with the file's config."
-        )
-    if tensor.dtype != variable.dtype:
-        raise CheckpointError(
-            f"Tensor {tensor.key!r} in {tensor.file} has dtype {tensor.dtype} but "
-            f"variable {variable.path!r} has dtype {variable.dtype}. Build the "
-            f"model with dtype {tensor.dtype!r} (values are never cast silently)."
-        )
-
-
 def _owner(files: list[TensorFile], tensor: StoredTensor) -> TensorFile:
     return next(f for f in files if f.path == tensor.file)
 
 
+def weights_owner(model):
+    """The model whose weights file a `TensorParallel` wrapper reads and
+    writes: the model it wraps (its `save_weights` writes that model's file,
+    which plain Keras loads); any other model is its own owner."""
+    from keras_autoshard.apply.tensor_parallel import TensorParallel
+
+    if isinstance(model, TensorParallel):
+        return model.wrapped_model
+    return model
+
+
 def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
+    import keras
+
+    if keras.backend.backend() == "torch":
+        from keras_autoshard.runtime.torch_shards import fill_local_shard
+
+        fill_local_shard(variable, read)  # this rank's block of a DTensor
+        return
     from keras_autoshard.runtime.sharded_arrays import (
         assemble_from_slices,
         release_value,

@@ -226,6 +226,30 @@ class CommEvent:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedConv:
+    """A grouped (or depthwise) convolution's input, which the planner must
+    lay out so that XLA computes its filter gradient right.
+
+    XLA's SPMD partitioner (jax 0.10.2) sums the filter gradient of a
+    convolution with `feature_group_count > 1` over every device when the
+    input's batch (or spatial) dim is cut over only part of the mesh and the
+    other mesh axes cut nothing of the input: on a 2x4 mesh with the batch on
+    the first axis the gradient comes out 4 times too large. The search
+    therefore requires that when any non-feature dim of `tensor` is cut,
+    every mesh axis cuts some dim of it.
+
+    Args:
+        tensor: Id of the convolution's input tensor.
+        feature_dim: Its feature (channel) dim.
+        layer: The Keras layer path the convolution was traced in.
+    """
+
+    tensor: int
+    feature_dim: int
+    layer: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class SliceEdge:
     """`target` may be sharded on mesh axes where `source` is not.
 
@@ -265,6 +289,8 @@ class AxisGraph:
             trip counts).
         scope_outputs: `(scope, tensor ids)`: for each name scope of the
             trace (a Keras layer path), the output tensor of each call.
+        grouped_convs: The inputs of grouped convolutions (see
+            `GroupedConv`).
 
     Example:
 
@@ -283,6 +309,7 @@ class AxisGraph:
     unknown_primitives: tuple[tuple[str, int], ...]
     notes: tuple[str, ...] = ()
     scope_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    grouped_convs: tuple[GroupedConv, ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

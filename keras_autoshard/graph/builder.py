@@ -70,6 +70,7 @@ from keras_autoshard.graph.axis_graph import (
     AxisGraph,
     CommEvent,
     DimSizeMismatchError,
+    GroupedConv,
     SliceEdge,
     TensorNode,
     UnionFind,
@@ -172,6 +173,7 @@ class _GraphBuilder:
         self.slice_edges: list[tuple[int, int, int]] = []
         self.unknown: Counter[str] = Counter()
         self.notes: list[str] = []
+        self.grouped_convs: list[GroupedConv] = []
         # tensor id -> the tensor it relabels (reshape, transpose, ...).
         self.view_of: dict[int, int] = {}
         # broadcast_in_dim result -> (operand, the result dims it broadcasts).
@@ -324,6 +326,7 @@ class _GraphBuilder:
             scope_outputs=tuple(
                 (scope, tuple(calls)) for scope, calls in self.scope_outputs.items()
             ),
+            grouped_convs=tuple(self.grouped_convs),
         )
 
     def _mark_repeated_classes(self) -> None:

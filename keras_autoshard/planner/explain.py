@@ -67,6 +67,20 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
     )
     if linked:
         return _listed(linked) + "."
+    convs = sorted(
+        {
+            conv.layer or "?"
+            for conv in graph.grouped_convs
+            if set(graph.tensors[conv.tensor].dim_classes) & carrying
+        }
+    )
+    if convs:
+        return (
+            f"grouped convolution in layer {_listed([repr(c) for c in convs])}: "
+            "XLA computes its filter gradient wrong unless every mesh axis cuts "
+            "its input once the batch is cut, and its channels cannot take the "
+            "other axes (they do not divide them)."
+        )
     reasons = sorted(
         {
             edge.reason or "a reshape"

@@ -84,7 +84,8 @@ def class_roles(graph: AxisGraph) -> dict[int, str]:
     for tensor in graph.params():
         if len(tensor.shape) >= 3:
             c = tensor.dim_classes[0]
-            if c is not None and c not in roles and c not in contracted:
+            shardable = c is not None and graph.classes[c].shardable
+            if shardable and c not in roles and c not in contracted:
                 roles[c] = "experts"
     for c in param_classes:
         if c not in roles:

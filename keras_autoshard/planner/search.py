@@ -167,6 +167,29 @@ class _Program:
                 if len(row) > 1:
                     self.lp.add_row(row, upper=1.0)
 
+    def add_grouped_conv_rule(self) -> None:
+        """Where a grouped convolution's input has its batch (or any dim but
+        its channels) cut, every mesh axis must cut some dim of it: XLA
+        miscomputes the filter gradient otherwise (see `GroupedConv`)."""
+        for conv in self.graph.grouped_convs:
+            tensor = self.graph.tensors[conv.tensor]
+            classes = {c for c in tensor.dim_classes if c is not None}
+            feature = tensor.dim_classes[conv.feature_dim]
+            others = classes - {feature}
+            for cut_axis in self.axes:
+                for cls in others:
+                    cut = self.x.get((cls, cut_axis.name))
+                    if cut is None:
+                        continue
+                    for axis in self.axes:
+                        row = {
+                            self.x[(c, axis.name)]: 1.0
+                            for c in classes
+                            if (c, axis.name) in self.x
+                        }
+                        row[cut] = row.get(cut, 0.0) - 1.0
+                        self.lp.add_row(row, lower=0.0)
+
     # ------------------------------------------------------------- patterns
     def shard_count_terms(self, tensor: TensorNode, axis: str, fsdp: bool):
         terms = {
@@ -425,6 +448,7 @@ def _solve(graph, axes, options, pins, batch_split) -> Assignment:
     program.add_class_vars()
     program.add_fsdp_vars()
     program.add_conflicts()
+    program.add_grouped_conv_rule()
     program.add_communication()
     program.add_table_exchanges()
     program.add_replicated_math_penalty()

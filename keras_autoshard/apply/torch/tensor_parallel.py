@@ -4,6 +4,7 @@ the rest. Planned on the first batch with the same planner as JAX."""
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Mapping, Sequence
 
@@ -17,6 +18,10 @@ from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
 from keras_autoshard.apply.torch.planning import plan_for_torch
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
+from keras_autoshard.apply.torch.weights_file import (
+    load_weights_local,
+    save_weights_gathered,
+)
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
@@ -149,3 +154,34 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
     def predict_on_batch(self, x):
         self.prepare(x)
         return super().predict_on_batch(x)
+
+    # ------------------------------------------------------------- weights
+    def save_weights(self, filepath, overwrite: bool = True, max_shard_size=None):
+        """Write the wrapped model's Keras `.weights.h5` file (which plain
+        Keras loads on one process, any backend). Every rank calls it with
+        the same path; whole tensors are gathered one at a time and rank 0
+        writes them."""
+        if max_shard_size is not None:
+            raise TensorParallelError(
+                "save_weights(max_shard_size=...) is not supported under the "
+                "torch backend; save one .weights.h5 file, or use "
+                "keras_autoshard.save_checkpoint for per-rank shards."
+            )
+        if not overwrite and os.path.exists(filepath):
+            raise TensorParallelError(
+                f"{filepath} exists and overwrite=False; pass overwrite=True or "
+                "another path."
+            )
+        save_weights_gathered(self.wrapped_model, filepath)
+
+    def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs):
+        """Load a Keras `.weights.h5` file of the wrapped model (saved on any
+        backend), each rank reading only the blocks of its shards."""
+        if skip_mismatch or kwargs:
+            raise TensorParallelError(
+                "load_weights under the torch backend loads every variable or "
+                "raises; skip_mismatch and other options are not supported. "
+                "Use keras_autoshard.load_weights_sharded(..., name_map=...) to "
+                "load part of a file."
+            )
+        load_weights_local(self.wrapped_model, filepath)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from keras_autoshard.graph.axis_graph import GroupedConv
 from keras_autoshard.graph.jaxpr.reductions import free_dims
 from keras_autoshard.graph.jaxpr.registry import primitive_rule
 from keras_autoshard.graph.jaxpr.walker import (
@@ -58,8 +59,17 @@ def _rule_conv(e: Eqn) -> list[int]:
     else:
         e.mark(lhs, lhs_batch, f"batch_group_count > 1 in {e.name}")
         e.mark(out, out_batch, f"batch_group_count > 1 in {e.name}")
-    grouped = e.params.get("feature_group_count", 1) != 1
-    if grouped or e.params.get("batch_group_count", 1) != 1:
+    groups = e.params.get("feature_group_count", 1)
+    if groups != 1:
+        e.builder.grouped_convs.append(GroupedConv(lhs, lhs_feature, e.layer))
+    channels = (e.shape(lhs)[lhs_feature], e.shape(out)[out_feature])
+    if groups != 1 and channels == (groups, groups):
+        # Depthwise (one input and one output channel per group): a block of
+        # channels is a block of whole groups, computed locally.
+        e.unify(lhs, lhs_feature, out, out_feature)
+        e.unify(rhs, rhs_out, out, out_feature)
+        e.mark(rhs, rhs_in, f"grouped {e.name}")
+    elif groups != 1 or e.params.get("batch_group_count", 1) != 1:
         reason = f"grouped {e.name}"
         for tid, dim in ((lhs, lhs_feature), (rhs, rhs_in), (rhs, rhs_out)):
             e.mark(tid, dim, reason)

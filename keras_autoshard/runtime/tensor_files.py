@@ -75,6 +75,24 @@ class TensorFile(Protocol):
     def close(self) -> None: ...
 
 
+def check_compatible(tensor: StoredTensor, variable) -> None:
+    """Raise `CheckpointError` unless `tensor` has the variable's shape and
+    dtype (values are never cast or reshaped silently)."""
+    shape = tuple(int(s) for s in variable.shape)
+    if tensor.shape != shape:
+        raise CheckpointError(
+            f"Tensor {tensor.key!r} in {tensor.file} has shape {tensor.shape} but "
+            f"variable {variable.path!r} has shape {shape}. The file is from a "
+            "model with other dimensions; build the model with the file's config."
+        )
+    if tensor.dtype != variable.dtype:
+        raise CheckpointError(
+            f"Tensor {tensor.key!r} in {tensor.file} has dtype {tensor.dtype} but "
+            f"variable {variable.path!r} has dtype {variable.dtype}. Build the "
+            f"model with dtype {tensor.dtype!r} (values are never cast silently)."
+        )
+
+
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for a Keras dtype name (ml_dtypes for bfloat16, fp8)."""
     if hasattr(ml_dtypes, name):
