@@ -28,25 +28,56 @@ TOLERANCE = 1e-5
 TRAIN_MESH = "2x4"
 
 # Class → (why its batch is kept whole on a data axis, the phrase of the
-# plan's note that must say so, naming the op and the layer).
-BATCH_KEPT_WHOLE: dict[str, tuple[str, str]] = {
+# plan's note that must say so, naming the op and the layer, the meshes).
+ALL_DATA_MESHES = ("2x4", "8x1")
+GROUPED_CONV = (
+    "XLA's partitioner (jax 0.10.2) over-reduces a grouped convolution's "
+    "filter gradient when the batch is cut over part of the mesh only "
+    "(tests/test_grouped_conv.py), so on 2x4 the planner needs the conv's "
+    "channels on 'model' as well, and here they cannot all take it"
+)
+BATCH_KEPT_WHOLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "DFineBackbone": (
         "its query selection maps over the batch with `keras.ops.map`, a scan "
         "whose iterations are the batch rows; XLA runs a loop's iterations in "
         "order on every device and cannot split them",
         "scanned dim of scan in layer 'initial_query_reference_generator'",
+        ALL_DATA_MESHES,
     ),
     "Gemma3nBackbone": (
         "it appends a dummy image to the flattened images (b·n + 1 rows, "
         "which no data axis divides) and gathers the vision embeddings into "
         "the text by a cumsum over all tokens of the batch",
         "concatenated dim of concatenate in layer 'multimodal_embedding_processor'",
+        ALL_DATA_MESHES,
     ),
     "SAM3PromptableConceptBackbone": (
         "its geometry encoder flattens the batch with the prompt sequence and "
         "scatters into it at computed positions (`ops.scatter_update`): the "
         "rows a device would own are only known at run time",
         "scattered dim of scatter in layer 'sam3_geometry_encoder'",
+        ALL_DATA_MESHES,
+    ),
+    "HGNetV2Backbone": (
+        GROUPED_CONV + " (its channels are concatenated)",
+        "grouped convolution in layer 'encoder/encoder_stage_1/",
+        ("2x4",),
+    ),
+    "Qwen3_5Backbone": (
+        GROUPED_CONV + " (its channels are sliced into q, k, v)",
+        "grouped convolution in layer 'transformer_layer_0/linear_attn'",
+        ("2x4",),
+    ),
+    "Qwen3_5MoeBackbone": (
+        GROUPED_CONV + " (its channels are sliced into q, k, v)",
+        "grouped convolution in layer 'transformer_layer_0/linear_attn'",
+        ("2x4",),
+    ),
+    "XceptionBackbone": (
+        GROUPED_CONV + " (each separable conv's pointwise kernel would need "
+        "both its channel dims on 'model')",
+        "grouped convolution in layer 'block2_sepconv1'",
+        ("2x4",),
     ),
 }
 
@@ -127,7 +158,7 @@ def assert_forward_matches_on_mesh(built, mesh_name):
     if data_axis_size == 1:
         return
     assert coverage.BATCH_SIZE % data_axis_size == 0
-    if class_name in BATCH_KEPT_WHOLE:
+    if class_name in BATCH_KEPT_WHOLE and mesh_name in BATCH_KEPT_WHOLE[class_name][2]:
         assert row.batch_axis is None
         assert BATCH_KEPT_WHOLE[class_name][1] in row.batch_note, row.batch_note
     else:

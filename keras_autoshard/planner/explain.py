@@ -67,19 +67,19 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
     )
     if linked:
         return _listed(linked) + "."
-    convs = sorted(
-        {
-            conv.layer or "?"
-            for conv in graph.grouped_convs
-            if set(graph.tensors[conv.tensor].dim_classes) & carrying
-        }
-    )
+    convs = [
+        conv
+        for conv in graph.grouped_convs
+        if set(graph.tensors[conv.tensor].dim_classes) & carrying
+    ]
     if convs:
+        why_whole = sorted({_channels_kept_whole(graph, c, data_axes) for c in convs})
+        layers = sorted({repr(conv.layer or "?") for conv in convs})
         return (
-            f"grouped convolution in layer {_listed([repr(c) for c in convs])}: "
-            "XLA computes its filter gradient wrong unless every mesh axis cuts "
-            "its input once the batch is cut, and its channels cannot take the "
-            "other axes (they do not divide them)."
+            f"grouped convolution in layer {_listed(layers)}: XLA computes its "
+            "filter gradient wrong unless every mesh axis cuts its input once "
+            "the batch is cut (see keras_autoshard.graph.axis_graph.GroupedConv), "
+            f"and its channels cannot take the other axes ({_listed(why_whole)})."
         )
     reasons = sorted(
         {
@@ -95,6 +95,17 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
             + ") together with the other choices of the plan."
         )
     return "a dimension that carries the batch cannot take the data axis."
+
+
+def _channels_kept_whole(graph, conv, data_axes) -> str:
+    """Why a grouped convolution's channels stay whole."""
+    cls_id = graph.tensors[conv.tensor].dim_classes[conv.feature_dim]
+    if cls_id is None:
+        return "they are one channel"
+    cls = graph.classes[cls_id]
+    if cls.unshardable_reason is not None:
+        return f"{cls.size} channels: {cls.unshardable_reason}"
+    return f"{cls.size} channels, with the other choices of the plan"
 
 
 def _listed(reasons: list[str], shown: int = 4) -> str:
