@@ -1,9 +1,11 @@
 """PyTorch backend: `.weights.h5` files move between the torch wrapper on
 torchrun ranks and one JAX process, both ways, bit for bit; each rank reads
-only its shards' blocks."""
+only its shards' blocks; another model's file is a clear error on every
+rank."""
 
 import os
 
+import keras
 import numpy as np
 import pytest
 
@@ -30,8 +32,14 @@ def test_weights_files_move_between_torch_ranks_and_jax_bit_exactly(
     jax_file = str(tmp_path / "jax.weights.h5")
     jax_model.save_weights(jax_file)
 
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+    bad_file = str(tmp_path / "other.weights.h5")
+    other.save_weights(bad_file)
+
     done = torchrun(
-        ranks, "torch_weights_worker.py", [name, mesh_text, str(tmp_path), jax_file]
+        ranks,
+        "torch_weights_worker.py",
+        [name, mesh_text, str(tmp_path), jax_file, bad_file],
     )
     results = rank_results(tmp_path, ranks)
     assert done.returncode == 0, done.stderr[-4000:]

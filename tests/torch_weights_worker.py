@@ -9,11 +9,14 @@ steps on this rank's rows, then:
 2. `tp.load_weights(JAX_FILE)`: every rank compares its local shards with the
    same block read from the file, bit for bit, and records the bytes read;
 3. scrambles the weights, then `keras_autoshard.load_weights_sharded(tp,
-   JAX_FILE)`: compared again.
+   JAX_FILE)`: compared again;
+4. `tp.load_weights(BAD_FILE)` (another model's file): a `CheckpointError`
+   naming the file and a variable on every rank, the weights untouched.
 
 Writes `rank<r>.json`: {"ok": bool, "problems": [...], "bytes_read": ...}.
 
 Usage: torchrun --nproc-per-node N tests/torch_weights_worker.py MODEL DxM OUT JAX_FILE
+    BAD_FILE
 """
 
 import json
@@ -74,7 +77,7 @@ def rows_of_rank(rank: int, mesh: ka.MeshSpec) -> slice:
     return slice(index * BATCH // data, (index + 1) * BATCH // data)
 
 
-def run(name: str, mesh_text: str, out_dir: str, jax_file: str) -> dict:
+def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -> dict:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     mesh = ka.MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
     x, y = batch(name)
@@ -106,6 +109,13 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str) -> dict:
             (local if local is not None else variable.value).fill_(7.0)
     report = ka.load_weights_sharded(tp, jax_file)
     problems += compare_with_file(tp.wrapped_model, jax_file, "load_weights_sharded")
+    try:
+        tp.load_weights(bad_file)
+        problems.append("loading another model's file raised nothing")
+    except ka.CheckpointError as error:
+        if bad_file not in str(error) or "/kernel" not in str(error):
+            problems.append(f"the error names no file or variable: {error}")
+    problems += compare_with_file(tp.wrapped_model, jax_file, "after the bad file")
     total = sum(int(np.prod(v.shape)) * 4 for v in tp.wrapped_model.variables)
     return {
         "ok": not problems,
@@ -117,10 +127,10 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str) -> dict:
 
 
 if __name__ == "__main__":
-    name, mesh_text, out_dir, jax_file = sys.argv[1:5]
+    name, mesh_text, out_dir, jax_file, bad_file = sys.argv[1:6]
     rank = int(os.environ.get("RANK", "0"))
     try:
-        result = run(name, mesh_text, out_dir, jax_file)
+        result = run(name, mesh_text, out_dir, jax_file, bad_file)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"ok": False, "problems": [traceback.format_exc()]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
