@@ -37,7 +37,7 @@ _PUBLIC_NAMES = {
     "from_preset": "keras_autoshard.checkpoint.sharded_load",
     "save_checkpoint": "keras_autoshard.checkpoint.orbax_io",
     "restore_checkpoint": "keras_autoshard.checkpoint.orbax_io",
-    "complete_steps": "keras_autoshard.checkpoint.orbax_io",
+    "complete_steps": "keras_autoshard.checkpoint.steps",
     "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_io",
     "load_model_sharded": "keras_autoshard.checkpoint.orbax_io",
     "ShardedOrbaxCheckpoint": "keras_autoshard.checkpoint.orbax_callback",

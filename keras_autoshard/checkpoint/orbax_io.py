@@ -20,10 +20,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from keras_autoshard.checkpoint import torch_dcp
+from keras_autoshard.checkpoint.sharded_load import weights_owner
+from keras_autoshard.checkpoint.steps import (
+    STATE_CHECKPOINTABLE,
+    complete_steps,
+    latest_step,
+)
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
@@ -32,12 +38,7 @@ logger = logging.getLogger(__name__)
 METADATA_KEY = "keras_autoshard"
 FORMAT_NAME = "keras-autoshard/checkpoint"
 FORMAT_VERSION = 1
-STATE_CHECKPOINTABLE = "pytree"
 CONFIG_CHECKPOINTABLE = "model_config"
-_STEP_NAME = re.compile(r"^\d+$")
-# What every finished Orbax step directory holds.
-_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
-_TREE_METADATA_FILE = "_METADATA"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +198,13 @@ def save_checkpoint(
     from keras.src.utils.module_utils import ocp
 
     directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
+    if torch_dcp.torch_backend():  # torch.distributed.checkpoint, rank by rank
+        info = custom_metadata(getattr(model, "plan", None), metadata, None)
+        info = dict(info[METADATA_KEY], data_iterator_state=data_iterator_state)
+        if include_model_config:
+            info["model_config"] = _model_config_json(weights_owner(model))
+        torch_dcp.save_checkpoint_torch(model, directory, step, info, max_to_keep)
+        return PendingSave(step, directory, None, None)
     payload: dict[str, Any] = {STATE_CHECKPOINTABLE: model_state_tree(model)}
     if include_model_config:
         payload[CONFIG_CHECKPOINTABLE] = {"config": _model_config_json(model)}
@@ -269,58 +277,6 @@ def new_checkpointer(directory: str, max_to_keep: int | None = None):
     )
 
 
-def complete_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps in `directory` whose save finished, ascending.
-
-    A step counts only when its directory has its final name (Orbax renames
-    the temporary directory last) and holds its metadata files; directories
-    of killed saves are ignored.
-
-    Args:
-        directory: Checkpoint root.
-
-    Returns:
-        The complete steps, oldest first.
-
-    Example:
-
-    ```python
-    steps = complete_steps("ckpt")   # e.g. [100, 200]
-    if steps:
-        restore_checkpoint(model, "ckpt", step=steps[-1])
-    ```
-    """
-    directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
-    if not os.path.isdir(directory):
-        return []
-    steps = []
-    for name in os.listdir(directory):
-        step_dir = os.path.join(directory, name)
-        if not _STEP_NAME.match(name) or not os.path.isdir(step_dir):
-            continue
-        tree_metadata = os.path.join(
-            step_dir, STATE_CHECKPOINTABLE, _TREE_METADATA_FILE
-        )
-        if os.path.exists(os.path.join(step_dir, _STEP_METADATA_FILE)) and (
-            os.path.exists(tree_metadata)
-        ):
-            steps.append(int(name))
-        else:
-            logger.warning("Skipping incomplete checkpoint %s", step_dir)
-    return sorted(steps)
-
-
-def latest_step(directory: str | os.PathLike) -> int:
-    """The newest complete step in `directory`; `CheckpointError` if none."""
-    steps = complete_steps(directory)
-    if not steps:
-        raise CheckpointError(
-            f"No complete checkpoint in {os.fspath(directory)}: it has no finished "
-            "step directory. Check the path, or train from scratch."
-        )
-    return steps[-1]
-
-
 def restore_checkpoint(
     model,
     directory: str | os.PathLike,
@@ -372,6 +328,18 @@ def restore_checkpoint(
         raise CheckpointError(
             f"Step {step} is not a complete checkpoint in {directory} (complete: "
             f"{complete_steps(directory)})."
+        )
+    if torch_dcp.torch_backend() or torch_dcp.is_torch_step(path):
+        ours = torch_dcp.restore_torch_or_explain(model, path)
+        if data_iterator is not None and ours.get("data_iterator_state") is not None:
+            data_iterator.set_state(ours["data_iterator_state"])
+        plan_data = ours.get("plan")
+        return RestoredCheckpoint(
+            step=step,
+            path=path,
+            plan=ShardingPlan.from_dict(plan_data) if plan_data else None,
+            metadata=ours.get("metadata"),
+            data_iterator_state=ours.get("data_iterator_state"),
         )
     _build_optimizer(model)
     try:

@@ -83,9 +83,10 @@ def fill_local_shard(variable, read: Callable[[SliceIndex], np.ndarray]) -> int:
 
 
 def full_numpy(value) -> np.ndarray:
-    """The whole tensor as NumPy: a DTensor is gathered (a collective every
-    rank of its mesh must enter), a plain tensor copied to the host. bfloat16
-    comes back as `ml_dtypes.bfloat16`."""
+    """The whole tensor as a NumPy copy: a DTensor is gathered (a collective
+    every rank of its mesh must enter), a plain tensor copied to the host
+    (never a view of the live storage, which training updates in place).
+    bfloat16 comes back as `ml_dtypes.bfloat16`."""
     import torch
 
     if is_dtensor(value):
@@ -94,8 +95,8 @@ def full_numpy(value) -> np.ndarray:
     if value.dtype == torch.bfloat16:
         import ml_dtypes
 
-        return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return value.numpy()
+        return value.view(torch.int16).numpy().copy().view(ml_dtypes.bfloat16)
+    return value.numpy().copy()
 
 
 def _to_torch(data: np.ndarray, dtype):

@@ -1,0 +1,118 @@
+"""One torchrun rank of the PyTorch-backend checkpoint test.
+
+Modes:
+
+- `save`: `TensorParallel` on mesh DxM trains 3 Adam steps, saves step 3 with
+  `keras_autoshard.save_checkpoint` (metadata and data-iterator state
+  included), then trains 5 more steps (the uninterrupted run). Rank 0
+  writes `state3.npz` (every model and optimizer variable, gathered) and
+  `losses.json`.
+- `restore`: a differently initialised `TensorParallel` on mesh DxM restores
+  the latest step and compares every variable with `state3.npz` bit for bit,
+  then trains 5 steps; rank 0 writes `restored_losses.json`.
+
+Writes `rank<r>.json`: {"ok": bool, "problems": [...]}.
+
+Usage: torchrun --nproc-per-node N tests/torch_checkpoint_worker.py MODE DxM OUT
+"""
+
+import json
+import os
+import sys
+import traceback
+
+if __name__ == "__main__":
+    os.environ["KERAS_BACKEND"] = "torch"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import keras_autoshard as ka  # noqa: E402
+from keras_autoshard.runtime.torch_shards import full_numpy  # noqa: E402
+from tests.torch_parity_worker import adam, batch, build  # noqa: E402
+from tests.torch_weights_worker import rows_of_rank  # noqa: E402
+
+SAVED_STEP = 3
+MORE_STEPS = 5
+
+
+def wrapped(mesh, seed):
+    return ka.TensorParallel(
+        build("mlp", seed=seed),
+        world_size=mesh.axis_size("model"),
+        distributed_backend="torch",
+    )
+
+
+def state(tp) -> dict[str, np.ndarray]:
+    out = {f"model/{v.path}": full_numpy(v.value) for v in tp.wrapped_model.variables}
+    for index, v in enumerate(tp.optimizer.variables):
+        out[f"optimizer/{index}"] = full_numpy(v.value)
+    return out
+
+
+def run(mode: str, mesh_text: str, out_dir: str) -> dict:
+    mesh = ka.MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
+    x, y = batch("mlp")
+    rows = rows_of_rank(int(os.environ["RANK"]), mesh)
+    directory = os.path.join(out_dir, "ckpt")
+    problems = []
+    if mode == "save":
+        tp = wrapped(mesh, seed=0)
+        rank = torch.distributed.get_rank()
+        tp.compile(optimizer=adam(), loss="mse")
+        for _ in range(SAVED_STEP):
+            tp.train_on_batch(x[rows], y[rows])
+        ka.save_checkpoint(
+            tp,
+            directory,
+            step=SAVED_STEP,
+            metadata={"epoch": 1},
+            data_iterator_state={"position": SAVED_STEP},
+        )
+        saved = state(tp)
+        losses = [float(tp.train_on_batch(x[rows], y[rows])) for _ in range(MORE_STEPS)]
+        if rank == 0:
+            np.savez(os.path.join(out_dir, "state3.npz"), **saved)
+            with open(os.path.join(out_dir, "losses.json"), "w") as f:
+                json.dump(losses, f)
+        if ka.complete_steps(directory) != [SAVED_STEP]:
+            problems.append(f"complete steps {ka.complete_steps(directory)}")
+    else:
+        tp = wrapped(mesh, seed=5)
+        rank = torch.distributed.get_rank()
+        tp.compile(optimizer=adam(), loss="mse")
+        tp.prepare(x[rows])
+        restored = ka.restore_checkpoint(tp, directory)
+        if restored.step != SAVED_STEP or restored.metadata != {"epoch": 1}:
+            problems.append(f"restored {restored.step} {restored.metadata}")
+        if restored.data_iterator_state != {"position": SAVED_STEP}:
+            problems.append(f"iterator state {restored.data_iterator_state}")
+        if restored.plan is None:
+            problems.append("no plan stored")
+        expected = np.load(os.path.join(out_dir, "state3.npz"))
+        now = state(tp)
+        if sorted(now) != sorted(expected.files):
+            problems.append(f"names {sorted(now)} != {sorted(expected.files)}")
+        for name in expected.files:
+            if name in now and not np.array_equal(now[name], expected[name]):
+                problems.append(f"{name} differs after restore")
+        losses = [float(tp.train_on_batch(x[rows], y[rows])) for _ in range(MORE_STEPS)]
+        if rank == 0:
+            with open(
+                os.path.join(out_dir, f"restored_losses_{mesh_text}.json"), "w"
+            ) as f:
+                json.dump(losses, f)
+    return {"ok": not problems, "problems": problems}
+
+
+if __name__ == "__main__":
+    mode, mesh_text, out_dir = sys.argv[1:4]
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = run(mode, mesh_text, out_dir)
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = {"ok": False, "problems": [traceback.format_exc()]}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
