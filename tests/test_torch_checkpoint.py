@@ -46,3 +46,13 @@ def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
     model = worker.build("mlp", seed=1)
     with pytest.raises(ka.CheckpointError, match="save_weights.*load_weights"):
         ka.restore_checkpoint(model, tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_save_leaves_the_previous_step_restorable(tmp_path):
+    done = torchrun(4, WORKER, ["kill", "2x2", str(tmp_path)])
+    assert done.returncode != 0  # rank 1 was SIGKILLed, the job stopped
+    directory = tmp_path / "ckpt"
+    assert (directory / "4.partial").is_dir()  # the killed save's leftovers
+    assert ka.complete_steps(directory) == [3]
+    _run("restore", "1x2", tmp_path)  # latest complete step, bit for bit

@@ -7,6 +7,9 @@ Modes:
   included), then trains 5 more steps (the uninterrupted run). Rank 0
   writes `state3.npz` (every model and optimizer variable, gathered) and
   `losses.json`.
+- `kill`: as `save`, then one more step and a save of step 4, during which
+  rank 1 SIGKILLs itself as soon as a shard file appears in the step's
+  temporary directory (torchrun then stops the other ranks).
 - `restore`: a differently initialised `TensorParallel` on mesh DxM restores
   the latest step and compares every variable with `state3.npz` bit for bit,
   then trains 5 steps; rank 0 writes `restored_losses.json`.
@@ -18,7 +21,10 @@ Usage: torchrun --nproc-per-node N tests/torch_checkpoint_worker.py MODE DxM OUT
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 
 if __name__ == "__main__":
@@ -58,7 +64,31 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
     rows = rows_of_rank(int(os.environ["RANK"]), mesh)
     directory = os.path.join(out_dir, "ckpt")
     problems = []
-    if mode == "save":
+    if mode == "kill":
+        tp = wrapped(mesh, seed=0)
+        rank = torch.distributed.get_rank()
+        tp.compile(optimizer=adam(), loss="mse")
+        for _ in range(SAVED_STEP):
+            tp.train_on_batch(x[rows], y[rows])
+        ka.save_checkpoint(
+            tp,
+            directory,
+            step=SAVED_STEP,
+            metadata={"epoch": 1},
+            data_iterator_state={"position": SAVED_STEP},
+        )
+        saved = state(tp)
+        if rank == 0:
+            np.savez(os.path.join(out_dir, "state3.npz"), **saved)
+        tp.train_on_batch(x[rows], y[rows])
+        if rank == 1:
+            partial = os.path.join(directory, f"{SAVED_STEP + 1}.partial")
+            threading.Thread(
+                target=_kill_on_first_shard, args=(partial,), daemon=True
+            ).start()
+        ka.save_checkpoint(tp, directory, step=SAVED_STEP + 1)
+        problems.append(f"rank {rank} finished a save it should not have")
+    elif mode == "save":
         tp = wrapped(mesh, seed=0)
         rank = torch.distributed.get_rank()
         tp.compile(optimizer=adam(), loss="mse")
@@ -105,6 +135,15 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
             ) as f:
                 json.dump(losses, f)
     return {"ok": not problems, "problems": problems}
+
+
+def _kill_on_first_shard(partial: str) -> None:
+    while True:
+        if os.path.isdir(partial) and any(
+            name.endswith(".distcp") for name in os.listdir(partial)
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.0005)
 
 
 if __name__ == "__main__":
