@@ -114,6 +114,13 @@ BENCHMARKS = {
             (),
             "PyTorch backend under torchrun on 2 and 4 gloo ranks",
         ),
+        Benchmark(
+            "torch_loading",
+            "benchmarks.torch_loading",
+            "torch-loading",
+            ("--size-gib", "0.25"),
+            "PyTorch backend: host memory per rank building and loading 2 GB",
+        ),
     )
 }
 

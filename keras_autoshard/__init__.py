@@ -41,6 +41,8 @@ _PUBLIC_NAMES = {
     "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_io",
     "load_model_sharded": "keras_autoshard.checkpoint.orbax_io",
     "ShardedOrbaxCheckpoint": "keras_autoshard.checkpoint.orbax_callback",
+    "ShardedTorchCheckpoint": "keras_autoshard.checkpoint.torch_callback",
+    "save_safetensors": "keras_autoshard.checkpoint.safetensors_save",
     "TensorParallel": "keras_autoshard.apply.tensor_parallel",
     "TensorParallelError": "keras_autoshard.apply.tensor_parallel_setup",
     "initialize": "keras_autoshard.runtime.cluster",

@@ -4,6 +4,7 @@ state, and training continues with the uninterrupted run's losses; the JAX
 backend refuses the checkpoint, naming the conversion that works."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -46,6 +47,26 @@ def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
     model = worker.build("mlp", seed=1)
     with pytest.raises(ka.CheckpointError, match="save_weights.*load_weights"):
         ka.restore_checkpoint(model, tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_the_callback_saves_every_n_batches_and_keeps_the_latest(tmp_path):
+    _run("callback", "1x2", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "callback").iterdir()) == ["4", "6"]
+
+
+@pytest.mark.slow
+def test_missing_or_truncated_shard_files_are_named_on_every_rank(tmp_path):
+    _run("save", "2x2", tmp_path)
+    step = tmp_path / "ckpt" / "3"
+    shutil.copytree(step, tmp_path / "missing" / "3")
+    shard_files = sorted((tmp_path / "missing" / "3").glob("*.distcp"))
+    assert len(shard_files) == 4  # one per rank
+    shard_files[1].unlink()
+    shutil.copytree(step, tmp_path / "truncated" / "3")
+    victim = sorted((tmp_path / "truncated" / "3").glob("*.distcp"))[2]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    _run("damaged", "1x2", tmp_path)
 
 
 @pytest.mark.slow

@@ -1,13 +1,15 @@
-"""PyTorch backend: `.weights.h5` files move between the torch wrapper on
-torchrun ranks and one JAX process, both ways, bit for bit; each rank reads
-only its shards' blocks; another model's file is a clear error on every
-rank."""
+"""PyTorch backend: `.weights.h5` and safetensors files move between the
+torch wrapper on torchrun ranks and one JAX process, both ways, bit for bit;
+each rank reads only its shards' blocks; another model's file is a clear
+error on every rank."""
 
 import os
 
 import keras
 import numpy as np
 import pytest
+
+import keras_autoshard as ka
 
 pytest.importorskip("torch")
 
@@ -31,6 +33,7 @@ def test_weights_files_move_between_torch_ranks_and_jax_bit_exactly(
     jax_model = worker.build(name, seed=7)
     jax_file = str(tmp_path / "jax.weights.h5")
     jax_model.save_weights(jax_file)
+    ka.save_safetensors(jax_model, str(tmp_path / "jax.safetensors"))
 
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
     bad_file = str(tmp_path / "other.weights.h5")
@@ -58,6 +61,12 @@ def test_weights_files_move_between_torch_ranks_and_jax_bit_exactly(
     state = np.load(tmp_path / "torch_state.npz")
     assert sorted(state.files) == sorted(v.path for v in loaded.variables)
     for variable in loaded.variables:
+        assert np.array_equal(np.asarray(variable.value), state[variable.path]), (
+            variable.path
+        )
+    from_safetensors = worker.build(name, seed=4)
+    ka.load_weights_sharded(from_safetensors, tmp_path / "torch.safetensors")
+    for variable in from_safetensors.variables:
         assert np.array_equal(np.asarray(variable.value), state[variable.path]), (
             variable.path
         )

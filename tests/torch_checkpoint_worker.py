@@ -10,6 +10,13 @@ Modes:
 - `kill`: as `save`, then one more step and a save of step 4, during which
   rank 1 SIGKILLs itself as soon as a shard file appears in the step's
   temporary directory (torchrun then stops the other ranks).
+- `callback`: `fit` over 6 batches with `ShardedTorchCheckpoint(save_freq=2,
+  max_to_keep=2)`: steps 4 and 6 remain, complete; a fresh wrapper restores
+  step 6 bit for bit (weights, optimizer) with its metadata.
+- `damaged`: restoring `OUT/missing` (a rank's shard file deleted) and
+  `OUT/truncated` (one cut short) raises `CheckpointError` naming the file and
+  a variable on every rank, weights untouched; so does restoring the MLP
+  checkpoint `OUT/ckpt` into GPT-2 ("another model").
 - `restore`: a differently initialised `TensorParallel` on mesh DxM restores
   the latest step and compares every variable with `state3.npz` bit for bit,
   then trains 5 steps; rank 0 writes `restored_losses.json`.
@@ -64,6 +71,10 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
     rows = rows_of_rank(int(os.environ["RANK"]), mesh)
     directory = os.path.join(out_dir, "ckpt")
     problems = []
+    if mode == "callback":
+        return run_callback(mesh, x[rows], y[rows], out_dir)
+    if mode == "damaged":
+        return run_damaged(mesh, x[rows], out_dir)
     if mode == "kill":
         tp = wrapped(mesh, seed=0)
         rank = torch.distributed.get_rank()
@@ -134,6 +145,72 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
                 os.path.join(out_dir, f"restored_losses_{mesh_text}.json"), "w"
             ) as f:
                 json.dump(losses, f)
+    return {"ok": not problems, "problems": problems}
+
+
+def run_callback(mesh, x, y, out_dir) -> dict:
+    directory = os.path.join(out_dir, "callback")
+    tp = wrapped(mesh, seed=0)
+    tp.compile(optimizer=adam(), loss="mse")
+    callback = ka.ShardedTorchCheckpoint(
+        directory, save_freq=2, max_to_keep=2, metadata=lambda step: {"at": step}
+    )
+    repeats = 6
+    tp.fit(
+        np.concatenate([x] * repeats),
+        np.concatenate([y] * repeats),
+        batch_size=len(x),
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    )
+    problems = []
+    if ka.complete_steps(directory) != [4, 6]:
+        problems.append(f"complete steps {ka.complete_steps(directory)}, not [4, 6]")
+    trained = state(tp)
+    fresh = wrapped(mesh, seed=5)
+    fresh.compile(optimizer=adam(), loss="mse")
+    fresh.prepare(x)
+    restored = ka.restore_checkpoint(fresh, directory)
+    if restored.step != 6 or restored.metadata != {"at": 6}:
+        problems.append(f"restored step {restored.step}, metadata {restored.metadata}")
+    now = state(fresh)
+    problems += [f"{n} differs after restore" for n in trained
+                 if not np.array_equal(now[n], trained[n])]  # fmt: skip
+    return {"ok": not problems, "problems": problems}
+
+
+def run_damaged(mesh, x, out_dir) -> dict:
+    problems = []
+    tp = wrapped(mesh, seed=5)
+    tp.compile(optimizer=adam(), loss="mse")
+    tp.prepare(x)
+    before = state(tp)
+    for name in ("missing", "truncated"):
+        directory = os.path.join(out_dir, name)
+        try:
+            ka.restore_checkpoint(tp, directory)
+            problems.append(f"restoring {name} raised nothing")
+        except ka.CheckpointError as error:
+            text = str(error)
+            if ".distcp" not in text or not ("model/" in text or "optimizer/" in text):
+                problems.append(f"{name}: no file or variable named: {text}")
+    after = state(tp)
+    problems += [
+        f"{n} changed" for n in before if not np.array_equal(before[n], after[n])
+    ]
+    other = ka.TensorParallel(
+        build("gpt2"), world_size=mesh.axis_size("model"), distributed_backend="torch"
+    )
+    other.compile(optimizer=adam(), loss="mse")
+    other.prepare(batch("gpt2")[0])
+    try:
+        ka.restore_checkpoint(other, os.path.join(out_dir, "ckpt"))
+        problems.append("another model's checkpoint raised nothing")
+    except ka.CheckpointError as error:
+        if "another model" not in str(error):
+            problems.append(f"unclear error for another model: {error}")
     return {"ok": not problems, "problems": problems}
 
 

@@ -3,13 +3,15 @@
 Wraps a model in `TensorParallel(..., distributed_backend="torch")`, trains 3
 steps on this rank's rows, then:
 
-1. `tp.save_weights(OUT/torch.weights.h5)` (every rank, one path), and writes
+1. `tp.save_weights(OUT/torch.weights.h5)` and `OUT/torch.safetensors` (every
+   rank, one path each), and writes
    `OUT/torch_state.npz` (every variable gathered, by path) and
    `OUT/torch_predictions.npy` (outputs for the global batch) from rank 0;
 2. `tp.load_weights(JAX_FILE)`: every rank compares its local shards with the
    same block read from the file, bit for bit, and records the bytes read;
 3. scrambles the weights, then `keras_autoshard.load_weights_sharded(tp,
-   JAX_FILE)`: compared again;
+   JAX_FILE)`: compared again; then again from JAX's safetensors file (JAX_FILE
+   with the suffix `.safetensors`);
 4. `tp.load_weights(BAD_FILE)` (another model's file): a `CheckpointError`
    naming the file and a variable on every rank, the weights untouched.
 
@@ -77,6 +79,13 @@ def rows_of_rank(rank: int, mesh: ka.MeshSpec) -> slice:
     return slice(index * BATCH // data, (index + 1) * BATCH // data)
 
 
+def scramble(tp) -> None:
+    for variable in tp.wrapped_model.variables:
+        local = variable.value.to_local() if is_dtensor(variable.value) else None
+        with torch.no_grad():
+            (local if local is not None else variable.value).fill_(7.0)
+
+
 def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -> dict:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     mesh = ka.MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
@@ -92,6 +101,7 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -
         tp.train_on_batch(local_x, y[rows])
     path = os.path.join(out_dir, "torch.weights.h5")
     tp.save_weights(path)
+    tp.save_weights(os.path.join(out_dir, "torch.safetensors"))
     state = {v.path: full_numpy(v.value) for v in tp.wrapped_model.variables}
     predictions = keras.ops.convert_to_numpy(tp.predict_on_batch(local_x))
     if rank == 0:
@@ -103,12 +113,12 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -
 
     tp.load_weights(jax_file)
     problems += compare_with_file(tp.wrapped_model, jax_file, "tp.load_weights")
-    for variable in tp.wrapped_model.variables:
-        local = variable.value.to_local() if is_dtensor(variable.value) else None
-        with torch.no_grad():
-            (local if local is not None else variable.value).fill_(7.0)
+    scramble(tp)
     report = ka.load_weights_sharded(tp, jax_file)
     problems += compare_with_file(tp.wrapped_model, jax_file, "load_weights_sharded")
+    scramble(tp)
+    ka.load_weights_sharded(tp, jax_file.replace(".weights.h5", ".safetensors"))
+    problems += compare_with_file(tp.wrapped_model, jax_file, "JAX's safetensors")
     try:
         tp.load_weights(bad_file)
         problems.append("loading another model's file raised nothing")

@@ -8,6 +8,10 @@ Modules, one job each:
   (plan and model config stored alongside), onto any mesh.
 - `orbax_callback`: `ShardedOrbaxCheckpoint`, Keras's `OrbaxCheckpoint`
   callback with metadata, data-iterator state and the plan added.
+- `torch_dcp`: the same save and restore on the PyTorch backend, with
+  torch.distributed.checkpoint; `torch_callback`: its callback,
+  `ShardedTorchCheckpoint`.
+- `steps`: which steps of a checkpoint directory are complete.
 
 Reading tensor files by hyperslab is `runtime/tensor_files.py`, filling a
 torch rank's shard `runtime/torch_shards.py`; which `.weights.h5` dataset holds

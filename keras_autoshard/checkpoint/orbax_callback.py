@@ -12,12 +12,14 @@ Restore with `restore_checkpoint`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
 from keras_autoshard.checkpoint.orbax_io import current_plan, custom_metadata
+from keras_autoshard.errors import CheckpointError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
@@ -55,6 +57,13 @@ class ShardedOrbaxCheckpoint(keras.callbacks.OrbaxCheckpoint):
         plan: ShardingPlan | None = None,
         **kwargs,
     ):
+        if keras.backend.backend() == "torch":
+            raise CheckpointError(
+                "ShardedOrbaxCheckpoint saves JAX arrays with Orbax; on the "
+                "PyTorch backend use keras_autoshard.ShardedTorchCheckpoint("
+                f"{os.fspath(directory)!r}, save_freq=..., max_to_keep=...) "
+                "(torch.distributed.checkpoint, each rank its shards)."
+            )
         super().__init__(directory, **kwargs)
         self._metadata = metadata
         self._data_iterator = data_iterator

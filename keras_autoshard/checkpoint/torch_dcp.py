@@ -140,6 +140,7 @@ def restore_checkpoint_torch(model, path: str) -> dict[str, Any]:
                 f"Checkpoint {path} holds {name} as {dtype} {shape}, the model "
                 f"has {tensor.dtype} {list(tensor.shape)}. Nothing was assigned."
             )
+    check_shard_files(path, set(state))
     distributed = dist.is_available() and dist.is_initialized()
     targets = {n: t if is_dtensor(t) else t.detach() for n, t in state.items()}
     try:
@@ -151,6 +152,49 @@ def restore_checkpoint_torch(model, path: str) -> dict[str, Any]:
             "damaged. Restore another step."
         ) from error
     return record
+
+
+def check_shard_files(path: str, names: set[str]) -> None:
+    """Check that every shard file the step's DCP index lists for `names`
+    exists and holds its bytes, before any rank reads: every rank checks
+    the same index, so a missing or truncated file is the same error on
+    every rank and no rank waits in a collective for another.
+
+    Raises:
+        CheckpointError: naming the file, the variable and what is wrong.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        index = dcp.FileSystemReader(path).read_metadata()
+    except Exception as error:
+        raise CheckpointError(
+            f"Checkpoint {path}: its DCP index {os.path.join(path, '.metadata')} "
+            f"cannot be read ({type(error).__name__}: {error}). Restore another "
+            "step."
+        ) from error
+    sizes: dict[str, int | None] = {}
+    for where, stored in index.storage_data.items():
+        if where.fqn not in names:
+            continue
+        file = os.path.join(path, stored.relative_path)
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file) if os.path.exists(file) else None
+        end = stored.offset + stored.length
+        if sizes[file] is None:
+            raise CheckpointError(
+                f"Checkpoint {path} is missing shard file {file}, which holds "
+                f"{where.fqn} (block at {list(where.offset)}). A rank's files "
+                "were lost or not copied; restore another step. Nothing was "
+                "assigned."
+            )
+        if sizes[file] < end:
+            raise CheckpointError(
+                f"Checkpoint {path}: shard file {file} is truncated ({sizes[file]} "
+                f"bytes; {where.fqn} (block at {list(where.offset)}) needs bytes "
+                f"{stored.offset}..{end}). Restore another step. Nothing was "
+                "assigned."
+            )
 
 
 def _build_optimizer(model) -> None:

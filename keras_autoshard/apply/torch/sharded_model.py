@@ -54,8 +54,22 @@ class TorchShardedModel(keras.Model):
             self._shard(plan, device_mesh)
 
     # ------------------------------------------------------------ sharding
-    def _shard(self, plan: ShardingPlan, device_mesh) -> None:
-        shard_model_variables(self.inner, plan, device_mesh)
+    def _shard(
+        self, plan: ShardingPlan, device_mesh, init_seed: int = 0, weights=None
+    ) -> None:
+        """Shard the variables by `plan`; then fill them from `weights` (a
+        weights file, each rank reading its blocks) if given."""
+        shard_model_variables(
+            self.inner,
+            plan,
+            device_mesh,
+            init_seed=init_seed,
+            initialise=weights is None,
+        )
+        if weights is not None:
+            from keras_autoshard.checkpoint.sharded_load import load_weights_sharded
+
+            load_weights_sharded(self.inner, weights)
         self._sharding = (plan, device_mesh)
         if getattr(self, "optimizer", None) is not None and self.optimizer.built:
             shard_optimizer_variables(self)

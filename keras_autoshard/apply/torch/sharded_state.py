@@ -14,8 +14,14 @@ import dataclasses
 import keras
 
 from keras_autoshard.apply.common import slot_owner, slot_prefix
+from keras_autoshard.apply.torch.abstract_build import (
+    initial_value,
+    is_materialised,
+    mark_materialised,
+)
 from keras_autoshard.apply.torch.dtensor_layout import placements_for
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
+from keras_autoshard.runtime.torch_shards import local_slice_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,32 +41,92 @@ class RankStateBytes:
     replicated_parameters_total: int
 
 
-def shard_model_variables(model: keras.Model, plan: ShardingPlan, device_mesh) -> None:
+def shard_model_variables(
+    model: keras.Model,
+    plan: ShardingPlan,
+    device_mesh,
+    init_seed: int = 0,
+    initialise: bool = True,
+) -> None:
     """Replace each variable's value by a DTensor holding this rank's shard.
 
-    The full value is scattered from rank 0 (`distribute_tensor`), so every
-    rank ends with rank 0's initial weights; the full copy is then dropped.
+    A built variable's full value is scattered from rank 0
+    (`distribute_tensor`), so every rank ends with rank 0's initial weights;
+    the full copy is then dropped. A deferred variable (`build_abstract`) gets
+    only its block, computed from its initializer (see
+    `abstract_build.initial_value`): no full copy of the model exists.
 
     Args:
         model: A built Keras model (torch backend).
         plan: Its plan; every variable must be in it.
         device_mesh: The torch `DeviceMesh` of `plan.mesh`.
+        init_seed: Seed of deferred variables' initial values.
+        initialise: Whether deferred variables get their initial values;
+            `False` leaves their blocks uninitialised memory, for a caller
+            that fills every variable next (from a weights file).
     """
     import torch
     from torch.distributed.tensor import distribute_tensor
 
     _check_covered(model, plan)
-    seen = set()
-    for variable in model.variables:
-        if id(variable) in seen:
-            continue
-        seen.add(id(variable))
+    materialised = []
+    for index, variable in enumerate(_unique(model.variables)):
         spec = plan.variable(variable.path).spec
+        placements = placements_for(spec, plan.mesh)
+        if not is_materialised(variable):
+            keep_whole = not variable.trainable and all(a is None for a in spec)
+            if initialise:
+                value = initial_value(variable, index, init_seed)
+                local = (
+                    value.to(device_mesh.device_type)
+                    if keep_whole
+                    else _local_block(value, device_mesh, placements)
+                )
+                del value
+            else:
+                local = _empty_block(variable, device_mesh, placements, keep_whole)
+            variable._value = torch.nn.Parameter(
+                local, requires_grad=variable.trainable
+            )
+            materialised.append(variable)
+            continue
         if not variable.trainable and all(axis is None for axis in spec):
             continue
         value = variable.value.detach()
-        sharded = distribute_tensor(value, device_mesh, placements_for(spec, plan.mesh))
+        sharded = distribute_tensor(value, device_mesh, placements)
         variable._value = torch.nn.Parameter(sharded, requires_grad=variable.trainable)
+    mark_materialised(materialised)
+
+
+def _empty_block(variable, device_mesh, placements, keep_whole: bool):
+    """Uninitialised storage for this rank's block of a deferred variable."""
+    import torch
+    from keras.src.backend.torch.core import to_torch_dtype
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    shape = tuple(variable.shape)
+    dtype = to_torch_dtype(variable.dtype)
+    if keep_whole:
+        return torch.empty(shape, dtype=dtype, device=device_mesh.device_type)
+    return dtensor_empty(
+        shape, dtype=dtype, device_mesh=device_mesh, placements=placements
+    )
+
+
+def _local_block(value, device_mesh, placements):
+    """A DTensor of `value`'s global shape holding only this rank's block
+    (cut locally: every rank computed the same `value`)."""
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    sharded = dtensor_empty(
+        tuple(value.shape),
+        dtype=value.dtype,
+        device_mesh=device_mesh,
+        placements=placements,
+    )
+    local = sharded.to_local()
+    local.copy_(value[local_slice_index(sharded)])
+    return sharded
 
 
 def shard_optimizer_variables(model: keras.Model) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 from keras.src import tree
@@ -15,12 +16,20 @@ from keras.src.trainers.data_adapters import data_adapter_utils
 from keras_autoshard.apply.common import first_batch
 from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
+from keras_autoshard.apply.torch.abstract_build import (
+    build_abstract,
+    is_abstract_source,
+)
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
 from keras_autoshard.apply.torch.planning import plan_for_torch
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
 from keras_autoshard.apply.torch.weights_file import (
     load_weights_local,
     save_weights_gathered,
+)
+from keras_autoshard.checkpoint.safetensors_save import (
+    SAFETENSORS_SUFFIX,
+    save_safetensors,
 )
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
@@ -34,9 +43,15 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
     """The PyTorch side of `keras_autoshard.TensorParallel`.
 
     Args:
-        model: A Keras model (torch backend) or a function building one; the
-            same on every rank (seed Keras's RNG identically on every rank or
-            rely on rank 0's weights, which are scattered to all).
+        model: A built Keras model (torch backend; every rank ends with rank
+            0's weights, scattered), or what builds one without a full copy
+            on any rank: a function building it from its configuration, a
+            Keras config dict, or a local KerasHub preset directory. Those
+            are built abstractly (shapes only, `abstract_build.py`) and each
+            rank materialises only its shards, filled from `weights` (a
+            preset's `model.weights.h5` by default) slice by slice, or from
+            the variables' initializers (seeded by `init_seed`, the same on
+            every rank).
         world_size: Ranks that share one model replica (tensor parallelism);
             `None` for all ranks. The other factor of the rank count is data
             parallelism.
@@ -49,7 +64,13 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         memory_budget: Per-device bytes (a number, or a string such as
             `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
-        plan: A ready `ShardingPlan` (e.g. made under JAX), used as given.
+        plan: A ready `ShardingPlan` (e.g. made under JAX) or its dict,
+            used as given.
+        weights: A Keras `.weights.h5` file (or any file
+            `load_weights_sharded` reads) of the model, loaded once the model
+            is sharded, each rank reading only its blocks.
+        init_seed: Seed of the initial values of a model built abstractly
+            without `weights`.
 
     Example:
 
@@ -59,6 +80,11 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
                                         distributed_backend="torch")
     tp.compile(optimizer="adam", loss="mse")
     tp.fit(x_of_this_rank, y_of_this_rank)  # 2-way TP x 2-way data parallel
+
+    # A large model: no rank ever holds more than its shards (+ one tensor).
+    tp = keras_autoshard.TensorParallel("./llama_preset", world_size=4,
+                                        distributed_backend="torch",
+                                        sample_input=x_of_this_rank)
     ```
     """
 
@@ -71,7 +97,9 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         sample_input=None,
         memory_budget: int | str | None = None,
         rules: Mapping[str, Spec] | None = None,
-        plan: ShardingPlan | None = None,
+        plan: ShardingPlan | Mapping | None = None,
+        weights: str | os.PathLike | None = None,
+        init_seed: int = 0,
         **kwargs,
     ):
         import torch.distributed as dist
@@ -92,12 +120,13 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
                 "device_ids=None and choose devices with --nproc-per-node and "
                 "CUDA_VISIBLE_DEVICES."
             )
-        if not isinstance(model, keras.Model) and callable(model):
-            model = model()
+        preset_weights = None
+        if is_abstract_source(model):
+            model, preset_weights = build_abstract(model)
         if not isinstance(model, keras.Model):
             raise TensorParallelError(
-                f"TensorParallel wraps a keras.Model or a function building one; "
-                f"got {type(model).__name__}."
+                "TensorParallel wraps a keras.Model, a function building one, a "
+                f"Keras config dict or a preset directory; got {type(model).__name__}."
             )
         kwargs.setdefault("name", "tensor_parallel")
         super().__init__(model, None, None, **kwargs)
@@ -106,6 +135,10 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         self.mesh = MeshSpec((ranks // world_size, world_size), (DATA_AXIS, MODEL_AXIS))
         self._memory_budget = optional_byte_size(memory_budget)
         self._rules = rules
+        self._weights = os.fspath(weights) if weights is not None else preset_weights
+        self._init_seed = int(init_seed)
+        if isinstance(plan, Mapping):
+            plan = ShardingPlan.from_dict(plan)
         if plan is not None:
             self._shard(plan, torch_device_mesh(plan.mesh))
         elif sample_input is not None:
@@ -138,6 +171,11 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         self._shard(plan, torch_device_mesh(plan.mesh))
         return plan
 
+    def _shard(self, plan: ShardingPlan, device_mesh) -> None:
+        super()._shard(
+            plan, device_mesh, init_seed=self._init_seed, weights=self._weights
+        )
+
     def _symbolic_build(self, iterator=None, data_batch=None):
         if not self.is_planned:
             batch = data_batch if data_batch is not None else first_batch(iterator)
@@ -155,12 +193,32 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         self.prepare(x)
         return super().predict_on_batch(x)
 
+    # --------------------------------------------------------- serialization
+    def get_config(self) -> dict[str, Any]:
+        """The wrapped model's config, the mesh and, once planned, the plan:
+        `from_config` rebuilds it abstractly (no full copy) and sharded as
+        saved, ready for `restore_checkpoint` or `load_weights`."""
+        config = {
+            "model": keras.saving.serialize_keras_object(self.wrapped_model),
+            "name": self.name,
+            "world_size": self.world_size,
+            "distributed_backend": "torch",
+            "memory_budget": self._memory_budget,
+            "rules": {k: list(v) for k, v in (self._rules or {}).items()} or None,
+            "init_seed": self._init_seed,
+        }
+        if self.is_planned:
+            config["plan"] = self.plan.to_dict()
+        return config
+
     # ------------------------------------------------------------- weights
     def save_weights(self, filepath, overwrite: bool = True, max_shard_size=None):
         """Write the wrapped model's Keras `.weights.h5` file (which plain
-        Keras loads on one process, any backend). Every rank calls it with
-        the same path; whole tensors are gathered one at a time and rank 0
-        writes them."""
+        Keras loads on one process, any backend), or, for a path ending in
+        `.safetensors`, a safetensors file of its weights (keyed as the
+        `.weights.h5` datasets; `load_weights_sharded` reads it on any
+        backend). Every rank calls it with the same path; whole tensors are
+        gathered one at a time and rank 0 writes them."""
         if max_shard_size is not None:
             raise TensorParallelError(
                 "save_weights(max_shard_size=...) is not supported under the "
@@ -172,7 +230,10 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
                 f"{filepath} exists and overwrite=False; pass overwrite=True or "
                 "another path."
             )
-        save_weights_gathered(self.wrapped_model, filepath)
+        if os.fspath(filepath).endswith(SAFETENSORS_SUFFIX):
+            save_safetensors(self.wrapped_model, filepath)
+        else:
+            save_weights_gathered(self.wrapped_model, filepath)
 
     def load_weights(self, filepath, skip_mismatch: bool = False, **kwargs):
         """Load a Keras `.weights.h5` file of the wrapped model (saved on any

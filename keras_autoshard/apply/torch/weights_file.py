@@ -68,7 +68,7 @@ def save_weights_gathered(model, path: str | os.PathLike) -> None:
         del array
     if handle is not None:
         handle.close()
-    if _failed_anywhere(bool(problem)):
+    if failed_on_any_rank(bool(problem)):
         if writer and os.path.exists(partial):
             os.remove(partial)
         raise CheckpointError(
@@ -135,7 +135,7 @@ def _write_dataset(handle: h5py.File, key: str, array: np.ndarray) -> None:
         group[name] = array
 
 
-def _failed_anywhere(failed: bool) -> bool:
+def failed_on_any_rank(failed: bool) -> bool:
     """Whether any rank failed (a collective: every rank must call it)."""
     import torch
     import torch.distributed as dist
