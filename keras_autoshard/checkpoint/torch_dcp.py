@@ -26,7 +26,7 @@ from keras_autoshard.checkpoint.sharded_load import weights_owner
 from keras_autoshard.checkpoint.steps import TORCH_INFO_FILE
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.runtime.torch_shards import is_dtensor
-from keras_autoshard.trace.keras_layout import keras_h5_keys
+from keras_autoshard.trace.keras_layout import weight_file_entries
 
 TORCH_FORMAT = "keras-autoshard/torch-dcp"
 PARTIAL_SUFFIX = ".partial"
@@ -44,8 +44,7 @@ def torch_state(model) -> dict[str, Any]:
     """
     state = {
         f"model/{key}": variable.value
-        for key, variable in keras_h5_keys(weights_owner(model)).items()
-        if not key.startswith("optimizer/")
+        for key, variable in weight_file_entries(weights_owner(model)).items()
     }
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:

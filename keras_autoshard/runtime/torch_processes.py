@@ -90,3 +90,14 @@ def local_batch_rows(global_batch_size: int, mesh, batch_axis: str | None) -> sl
         )
     rows = global_batch_size // ways
     return slice(index * rows, (index + 1) * rows)
+
+
+def failed_on_any_rank(failed: bool) -> bool:
+    """Whether any rank failed (a collective: every rank must call it)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

@@ -81,3 +81,21 @@ class _RecordingStore(saving_lib.H5IOStore):
                 "keras' model.load_weights instead."
             )
         self.variables_by_key[dataset_key] = value
+
+
+def weight_file_entries(model) -> dict[str, object]:
+    """`keras_h5_keys` without the optimizer's variables: the model's own
+    weights, keyed as Keras's weights file keys them (unique even where two
+    variables share a path).
+
+    Args:
+        model: A built Keras model.
+
+    Returns:
+        Dataset key → Keras variable.
+    """
+    return {
+        key: variable
+        for key, variable in keras_h5_keys(model).items()
+        if not key.startswith("optimizer/")
+    }

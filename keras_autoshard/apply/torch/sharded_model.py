@@ -24,6 +24,7 @@ from keras_autoshard.apply.torch.sharded_state import (
     shard_model_variables,
     shard_optimizer_variables,
 )
+from keras_autoshard.apply.torch.weights_file import load_weights_local
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
@@ -67,9 +68,7 @@ class TorchShardedModel(keras.Model):
             initialise=weights is None,
         )
         if weights is not None:
-            from keras_autoshard.checkpoint.sharded_load import load_weights_sharded
-
-            load_weights_sharded(self.inner, weights)
+            load_weights_local(self.inner, weights)
         self._sharding = (plan, device_mesh)
         if getattr(self, "optimizer", None) is not None and self.optimizer.built:
             shard_optimizer_variables(self)

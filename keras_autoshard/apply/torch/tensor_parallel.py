@@ -27,15 +27,16 @@ from keras_autoshard.apply.torch.weights_file import (
     load_weights_local,
     save_weights_gathered,
 )
-from keras_autoshard.checkpoint.safetensors_save import (
-    SAFETENSORS_SUFFIX,
-    save_safetensors,
-)
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
+from keras_autoshard.runtime.safetensors_writer import (
+    SAFETENSORS_SUFFIX,
+    write_safetensors,
+)
 from keras_autoshard.runtime.torch_processes import ensure_process_group
+from keras_autoshard.trace.keras_layout import weight_file_entries
 
 
 @keras.saving.register_keras_serializable(package="keras_autoshard")
@@ -66,9 +67,11 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
         rules: Regular expression on variable path → spec, pinned.
         plan: A ready `ShardingPlan` (e.g. made under JAX) or its dict,
             used as given.
-        weights: A Keras `.weights.h5` file (or any file
-            `load_weights_sharded` reads) of the model, loaded once the model
-            is sharded, each rank reading only its blocks.
+        weights: A Keras `.weights.h5` file of the model (or a
+            `.safetensors` file keyed as one, as `save_safetensors` writes),
+            loaded once the model is sharded, each rank reading only its
+            blocks. Other formats: `keras_autoshard.load_weights_sharded(tp,
+            path)` after construction.
         init_seed: Seed of the initial values of a model built abstractly
             without `weights`.
 
@@ -231,7 +234,7 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
                 "another path."
             )
         if os.fspath(filepath).endswith(SAFETENSORS_SUFFIX):
-            save_safetensors(self.wrapped_model, filepath)
+            write_safetensors(weight_file_entries(self.wrapped_model), filepath)
         else:
             save_weights_gathered(self.wrapped_model, filepath)
 

@@ -20,7 +20,12 @@ import h5py
 import numpy as np
 
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.runtime.tensor_files import H5TensorFile, check_compatible
+from keras_autoshard.runtime.tensor_files import (
+    H5TensorFile,
+    SafetensorsTensorFile,
+    check_compatible,
+)
+from keras_autoshard.runtime.torch_processes import failed_on_any_rank
 from keras_autoshard.runtime.torch_shards import fill_local_shard, full_numpy
 from keras_autoshard.trace.keras_layout import keras_h5_keys
 
@@ -81,8 +86,10 @@ def save_weights_gathered(model, path: str | os.PathLike) -> None:
 
 
 def load_weights_local(model, path: str | os.PathLike) -> int:
-    """Fill `model`'s variables from a Keras `.weights.h5` file, each rank
-    reading only the block its shards hold.
+    """Fill `model`'s variables from a Keras `.weights.h5` file (or a
+    `.safetensors` file keyed as one, as `save_safetensors` writes), each
+    rank reading only the block its shards hold. Other formats (`.keras`,
+    sharded indexes, other key names): `keras_autoshard.load_weights_sharded`.
 
     Args:
         model: A built Keras model (torch backend), as `save_weights` of it
@@ -98,7 +105,11 @@ def load_weights_local(model, path: str | os.PathLike) -> int:
             variable is assigned.
     """
     path = os.fspath(path)
-    weights = H5TensorFile(path)
+    weights = (
+        SafetensorsTensorFile(path)
+        if path.endswith(".safetensors")
+        else H5TensorFile(path)
+    )
     try:
         stored = weights.tensors()
         expected = keras_h5_keys(model)
@@ -113,7 +124,8 @@ def load_weights_local(model, path: str | os.PathLike) -> int:
             )
         for key, variable in expected.items():
             check_compatible(stored[key], variable)
-            weights.check_within_file(key)
+            if isinstance(weights, H5TensorFile):
+                weights.check_within_file(key)
         bytes_read = 0
         for key, variable in expected.items():
             bytes_read += fill_local_shard(
@@ -133,14 +145,3 @@ def _write_dataset(handle: h5py.File, key: str, array: np.ndarray) -> None:
         dataset.attrs["dtype"] = "bfloat16"
     else:
         group[name] = array
-
-
-def failed_on_any_rank(failed: bool) -> bool:
-    """Whether any rank failed (a collective: every rank must call it)."""
-    import torch
-    import torch.distributed as dist
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
