@@ -149,10 +149,11 @@ def _totals_table(result) -> Table:
     rows = [
         ("variables (as planned)", plan.bytes_per_device()),
         ("variables, all devices together", plan.total_bytes()),
-        ("parameters", cost.parameter_bytes),
-        ("gradients", cost.gradient_bytes),
-        ("optimizer state", cost.optimizer_bytes),
-        ("activations", cost.activation_bytes),
+        *plan.estimate.lines(),
+    ]
+    if plan.estimate.budget_bytes is not None:
+        rows.append(("memory budget", plan.estimate.budget_bytes))
+    rows += [
         ("communication per step", cost.communication_bytes),
     ]
     rows += [

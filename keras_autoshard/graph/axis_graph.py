@@ -275,6 +275,24 @@ class SliceEdge:
 
 
 @dataclasses.dataclass(frozen=True)
+class Kept:
+    """A tensor the backward pass keeps (a residual of automatic
+    differentiation; see `graph/jaxpr/residuals.py`).
+
+    Args:
+        tensor: Its id (a view's residual is its source's).
+        scale: Bytes kept per byte of the tensor (a boolean mask kept for a
+            float tensor: 0.25).
+        times: How many copies are kept (a loop body's residual: one per
+            trip).
+    """
+
+    tensor: int
+    scale: float
+    times: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AxisGraph:
     """Tensors, axis classes and communication of one traced forward pass.
 
@@ -291,6 +309,10 @@ class AxisGraph:
             trace (a Keras layer path), the output tensor of each call.
         grouped_convs: The inputs of grouped convolutions (see
             `GroupedConv`).
+        residuals: The tensors the backward pass keeps (`Kept`).
+        other_residual_bytes: Bytes kept that no tensor of the graph holds
+            (intermediates of a derivative of another shape), counted whole.
+        outputs: The forward pass's output tensor ids.
 
     Example:
 
@@ -310,6 +332,9 @@ class AxisGraph:
     notes: tuple[str, ...] = ()
     scope_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     grouped_convs: tuple[GroupedConv, ...] = ()
+    residuals: tuple[Kept, ...] = ()
+    other_residual_bytes: int = 0
+    outputs: tuple[int, ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

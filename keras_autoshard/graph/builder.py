@@ -71,11 +71,13 @@ from keras_autoshard.graph.axis_graph import (
     CommEvent,
     DimSizeMismatchError,
     GroupedConv,
+    Kept,
     SliceEdge,
     TensorNode,
     UnionFind,
 )
 from keras_autoshard.graph.jaxpr.registry import handled_primitives
+from keras_autoshard.graph.jaxpr.residuals import equation_residuals
 from keras_autoshard.graph.jaxpr.walker import (
     Walker,
     aval_itemsize,
@@ -126,8 +128,8 @@ def build_axis_graph(
         for var, (kind, name) in zip(jaxpr.invars, invar_kinds)
     ]
     const_tids = [builder.new_tensor(v.aval, "constant") for v in jaxpr.constvars]
-    Walker(builder).walk(jaxpr, const_tids, in_tids, multiplicity=1)
-    return builder.build()
+    outputs = Walker(builder).walk(jaxpr, const_tids, in_tids, multiplicity=1)
+    return dataclasses.replace(builder.build(), outputs=tuple(outputs))
 
 
 def _check_invar_kinds(
@@ -181,6 +183,38 @@ class _GraphBuilder:
         # Name scope (Keras layer path) -> the last tensor of each call.
         self.scope_outputs: dict[str, list[int]] = {}
         self._open_scopes: frozenset[str] = frozenset()
+        # (tensor id, bytes per tensor byte) -> times kept (loop trips).
+        self.residuals: dict[tuple[int, float], int] = {}
+        self.other_residual_bytes = 0
+        # Tensors computed from constants only.
+        self.constant_like: set[int] = set()
+
+    def record_residuals(self, eqn, outs: Sequence[int]) -> None:
+        """Note what `eqn` keeps for the backward pass (`residuals.py`);
+        a value kept by several equations, or through a view of it, once."""
+        if all(t in self.constant_like for t in eqn.ins):
+            # Computed from constants alone (rotary tables from iota): XLA
+            # folds it into the program's constants, nothing is kept.
+            self.constant_like.update(outs)
+            return
+        grads = [self.requires_grad(t) for t in eqn.ins]
+        found = equation_residuals(
+            eqn.eqn.primitive,
+            eqn.params,
+            [atom.aval for atom in eqn.eqn.invars],
+            grads,
+        )
+        for residual in found:
+            if residual.side == "other":
+                self.other_residual_bytes += residual.nbytes * eqn.multiplicity
+                continue
+            tid = (eqn.ins if residual.side == "in" else outs)[residual.index]
+            if tid in self.constant_like:
+                continue
+            whole = math.prod(self.shape(tid)) * self.tensors[tid].itemsize
+            scale = residual.nbytes / whole if whole else 0.0
+            key = (self.view_of.get(tid, tid), scale)
+            self.residuals[key] = max(self.residuals.get(key, 0), eqn.multiplicity)
 
     def record_scope(self, name_stack: str, outs: Sequence[int]) -> None:
         """Note `outs` as the latest output of `name_stack` and its parents.
@@ -208,6 +242,8 @@ class _GraphBuilder:
         requires_grad: bool = False,
     ) -> int:
         shape = aval_shape(aval)
+        if kind == "constant":
+            self.constant_like.add(len(self.tensors))
         elements = [self.uf.add(size) if size != 1 else None for size in shape]
         self.tensors.append(
             _TensorRecord(
@@ -327,6 +363,11 @@ class _GraphBuilder:
                 (scope, tuple(calls)) for scope, calls in self.scope_outputs.items()
             ),
             grouped_convs=tuple(self.grouped_convs),
+            residuals=tuple(
+                Kept(tid, scale, times)
+                for (tid, scale), times in sorted(self.residuals.items())
+            ),
+            other_residual_bytes=self.other_residual_bytes,
         )
 
     def _mark_repeated_classes(self) -> None:

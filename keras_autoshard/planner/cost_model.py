@@ -4,8 +4,8 @@ A candidate (`Assignment`) maps axis classes to mesh axes and may add
 FSDP-style storage sharding of parameters. Its cost per training step:
 
 - memory per device: parameters, gradients and optimizer slots (each cut by
-  the mesh axes that shard the parameter), plus an activation estimate (the
-  outputs of contractions, kept for the backward pass);
+  the mesh axes that shard the parameter), plus the activations the backward
+  pass keeps (`kept_bytes`; the whole peak is `memory_model.py`);
 - communication per device: for every comm event of the graph whose class is
   sharded on mesh axis `a`, an all-reduce over `a` of the event tensor's
   per-device bytes (the operand bytes the compiled report counts); for every
@@ -144,6 +144,19 @@ def local_bytes(
     return tensor.nbytes / divisor
 
 
+def kept_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: Mapping[str, int]
+) -> float:
+    """Bytes one device keeps for the backward pass: the graph's residuals
+    (`graph/jaxpr/residuals.py`) that are activations, each cut like its
+    tensor, plus residuals no tensor holds (counted whole)."""
+    return graph.other_residual_bytes + sum(
+        local_bytes(graph.tensors[k.tensor], assignment, sizes) * k.scale * k.times
+        for k in graph.residuals
+        if graph.tensors[k.tensor].kind == "activation"
+    )
+
+
 def contraction_flops(graph: AxisGraph, event: CommEvent) -> float:
     """FLOPs of the contraction behind a forward `contract` event."""
     out = graph.tensors[event.tensor]
@@ -275,11 +288,7 @@ def evaluate(
         if tensor.kind == "param":
             grad_bytes += shard
             opt_bytes += options.optimizer_slots * shard
-    activation_bytes = sum(
-        local_bytes(graph.tensors[e.tensor], assignment, sizes)
-        for e in graph.comm_events
-        if e.kind == "contract" and e.phase == "forward"
-    )
+    activation_bytes = kept_bytes(graph, assignment, sizes)
     by_axis = dict.fromkeys(sizes, 0.0)
     for event in graph.comm_events:
         tensor = graph.tensors[event.tensor]

@@ -26,6 +26,7 @@ from keras_autoshard.planner.cost_model import (
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
 from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.memory_model import estimate_memory
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins, search
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
@@ -33,6 +34,7 @@ from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
+    PlanEstimate,
     MeshSpec,
     PlanError,
     ShardingPlan,
@@ -215,7 +217,16 @@ def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
     pins = _pins_from_specs(graph, pinned_specs, mesh)
     assignment = search(graph, axes, options, pins)
     cost = evaluate(graph, axes, assignment, options)
-    return _build_plan(graph, variables, mesh, assignment, cost, pinned_specs), cost
+    memory = estimate_memory(graph, axes, assignment, options.optimizer_slots)
+    estimate = PlanEstimate(
+        **dataclasses.asdict(memory),
+        communication_by_axis=dict(cost.communication_by_axis),
+        budget_bytes=options.memory_budget_bytes,
+    )
+    sharding_plan = _build_plan(
+        graph, variables, mesh, assignment, cost, pinned_specs, estimate
+    )
+    return sharding_plan, cost
 
 
 def _pinned_specs(variables, rules) -> dict[str, tuple]:
@@ -305,7 +316,9 @@ def _is_param(graph: AxisGraph, path: str) -> bool:
     return any(t.name == path and t.kind == "param" for t in graph.tensors)
 
 
-def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
+def _build_plan(
+    graph, variables, mesh, assignment: Assignment, cost, pinned, estimate=None
+):
     roles = class_roles(graph)
     by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
     entries = []
@@ -334,15 +347,46 @@ def _build_plan(graph, variables, mesh, assignment: Assignment, cost, pinned):
         "their cut into every later layer."
         for a in activations
     ]
+    if estimate is not None:
+        pin_notes.append(_memory_note(estimate))
     plan = ShardingPlan(
         mesh=mesh,
         variables=tuple(entries),
         batch_axis=batch_axis,
         activations=activations,
         notes=tuple(plan_notes(graph, mesh, assignment, roles, cost) + pin_notes),
+        estimate=estimate,
     )
     validate_plan_structure(plan)
     return plan
+
+
+def _memory_note(estimate: PlanEstimate) -> str:
+    """The estimated peak per device, against the budget when there is one."""
+    peak = format_bytes(estimate.peak_bytes)
+    parts = (
+        f"parameters {format_bytes(estimate.parameter_bytes)}, gradients "
+        f"{format_bytes(estimate.gradient_bytes)}, optimizer "
+        f"{format_bytes(estimate.optimizer_bytes)}, activations kept for the "
+        f"backward pass {format_bytes(estimate.activation_bytes)}, inputs and "
+        f"targets {format_bytes(estimate.data_bytes)}, transient "
+        f"{format_bytes(estimate.transient_bytes)}"
+    )
+    if estimate.budget_bytes is None:
+        return f"Estimated peak per device of a training step: {peak} ({parts})."
+    if estimate.fits:
+        return (
+            f"Estimated peak per device {peak} fits the budget "
+            f"{format_bytes(estimate.budget_bytes)} ({parts})."
+        )
+    over = format_bytes(estimate.peak_bytes - estimate.budget_bytes)
+    return (
+        f"Estimated peak per device {peak} EXCEEDS the budget "
+        f"{format_bytes(estimate.budget_bytes)} by {over} ({parts}). The search "
+        "limits parameters and optimizer state to the budget; it does not yet "
+        "choose rematerialization or sequence parallelism to cut activations: "
+        "use a smaller batch per device or more devices."
+    )
 
 
 def _storage_cut_output_layouts(

@@ -67,6 +67,18 @@ def render_plan_table(plan: ShardingPlan, max_rows: int | None = None) -> str:
     console.print(build_plan_table(plan, max_rows=max_rows))
     for a in plan.activations:
         console.print(f"activation {a.path}: {_spec_text(a.spec)}")
+    if plan.estimate is not None:
+        console.print(estimate_text(plan.estimate), markup=False, highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}")
     return buffer.getvalue()
+
+
+def estimate_text(estimate) -> str:
+    """One line per figure of a `PlanEstimate`, the peak against the budget."""
+    lines = [f"estimate per device ({estimate.job} step):"]
+    lines += [f"  {label}: {format_bytes(value)}" for label, value in estimate.lines()]
+    if estimate.budget_bytes is not None:
+        verdict = "fits" if estimate.fits else "DOES NOT FIT"
+        lines.append(f"  budget: {format_bytes(estimate.budget_bytes)} ({verdict})")
+    return "\n".join(lines)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keras_autoshard.errors import PlanError  # noqa: F401
+from keras_autoshard.plans.estimate import PlanEstimate  # noqa: F401
 from keras_autoshard.plans.identity import key_path, unique_variables  # noqa: F401
 from keras_autoshard.plans.layouts import ActivationLayout, VariableSharding  # noqa: F401
 from keras_autoshard.plans.mesh import MeshSpec, dtype_itemsize  # noqa: F401
@@ -37,6 +38,8 @@ class ShardingPlan:
         activations: Layout constraints on layer outputs.
         notes: Planner remarks a person should read (replicated KV heads,
             vocabularies that do not divide, ...).
+        estimate: The planner's per-device memory and per-step communication
+            figures (`PlanEstimate`), or `None` for a plan written by hand.
 
     Example:
 
@@ -60,6 +63,7 @@ class ShardingPlan:
     batch_axis: str | None = None
     activations: tuple[ActivationLayout, ...] = ()
     notes: tuple[str, ...] = ()
+    estimate: PlanEstimate | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         variables = tuple(sorted(self.variables, key=lambda v: v.path))
@@ -152,6 +156,7 @@ class ShardingPlan:
                 {"path": a.path, "spec": list(a.spec)} for a in self.activations
             ],
             "notes": list(self.notes),
+            "estimate": None if self.estimate is None else self.estimate.to_dict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -195,6 +200,11 @@ class ShardingPlan:
             batch_axis=data.get("batch_axis"),
             activations=activations,
             notes=tuple(data.get("notes", ())),
+            estimate=(
+                PlanEstimate.from_dict(data["estimate"])
+                if data.get("estimate")
+                else None
+            ),
         )
 
     @classmethod

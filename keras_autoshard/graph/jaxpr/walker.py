@@ -167,7 +167,9 @@ class Walker:
         try:
             for eqn in jaxpr.eqns:
                 ins = [self._read(env, atom) for atom in eqn.invars]
-                outs = self._apply(Eqn(eqn, ins, multiplicity, self.builder, self))
+                walked = Eqn(eqn, ins, multiplicity, self.builder, self)
+                outs = self._apply(walked)
+                self.builder.record_residuals(walked, outs)
                 env.update(zip(eqn.outvars, outs))
                 if self._depth == 1 and outs:
                     self.builder.record_scope(str(eqn.source_info.name_stack), outs)

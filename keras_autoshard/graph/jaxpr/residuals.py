@@ -1,0 +1,180 @@
+"""Which tensors of the forward pass the backward pass keeps (residuals).
+
+Automatic differentiation keeps, for each equation, the values its
+derivative needs: both operands of a product, the output of `exp` or `tanh`,
+nothing for an addition or a reshape. Rather than restate JAX's derivative
+rules here, each equation's residuals are read from JAX itself
+(`saved_residuals` of the primitive alone, with the equation's shapes and
+the operands that carry no gradient behind `stop_gradient`), cached per
+primitive, parameters, shapes and gradient pattern, and mapped back to the
+equation's own input and output tensors, so that the planner knows each
+residual's axis classes and therefore its bytes on one device under any
+sharding.
+
+Structural primitives (calls, custom derivatives, loops) are not asked:
+their bodies are walked and their equations answer for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Primitives whose bodies the walker walks: their equations carry the
+# residuals (a call keeps nothing of its own).
+STRUCTURAL_PRIMITIVES = frozenset(
+    {
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "checkpoint",
+        "scan",
+        "while",
+        "cond",
+        "shard_map",
+        "xla_call",
+    }
+)
+
+_ARGUMENT = re.compile(r"from the argument args\[(\d+)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value an equation keeps for the backward pass.
+
+    Args:
+        side: `"in"` (an operand), `"out"` (an output) or `"other"` (an
+            intermediate of the derivative with no tensor of its own).
+        index: The operand's or output's position; for `"other"`, the
+            position of the tensor with the same element count whose cut it
+            shares, or -1 for none (then counted whole on every device).
+        nbytes: Its bytes (whole, unsharded).
+    """
+
+    side: str
+    index: int
+    nbytes: int
+
+
+def equation_residuals(
+    primitive, params: dict[str, Any], in_avals: Sequence[Any], grads: Sequence[bool]
+) -> tuple[Residual, ...]:
+    """What one equation keeps for its derivative.
+
+    Args:
+        primitive: The equation's primitive.
+        params: Its parameters.
+        in_avals: Its operands' abstract values.
+        grads: Whether each operand carries a gradient.
+
+    Returns:
+        The residuals (none when no operand carries a gradient).
+    """
+    if primitive.name in STRUCTURAL_PRIMITIVES or not any(grads):
+        return ()
+    try:
+        key = (
+            primitive,
+            _hashable(params),
+            tuple((tuple(a.shape), str(a.dtype)) for a in in_avals),
+            tuple(bool(g) for g in grads),
+        )
+        hash(key)
+    except TypeError:
+        return _queried(primitive, params, tuple(in_avals), tuple(grads))
+    return _cached(key, params, in_avals)
+
+
+_CACHE: dict[Any, tuple[Residual, ...]] = {}
+
+
+def _cached(key, params, in_avals) -> tuple[Residual, ...]:
+    found = _CACHE.get(key)
+    if found is None:
+        found = _queried(key[0], params, tuple(in_avals), key[3])
+        _CACHE[key] = found
+    return found
+
+
+def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
+    from jax._src.ad_checkpoint import saved_residuals
+
+    structs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in in_avals]
+
+    def alone(*args):
+        held = [
+            a if g and _inexact(a) else jax.lax.stop_gradient(a)
+            for a, g in zip(args, grads)
+        ]
+        return primitive.bind(*held, **params)
+
+    try:
+        out_avals = jax.eval_shape(alone, *structs)
+        found = saved_residuals(alone, *structs)
+    except Exception as error:  # noqa: BLE001 - any primitive JAX cannot bind alone
+        logger.debug("Residuals of %s unknown (%s); operands kept.", primitive, error)
+        return tuple(
+            Residual("in", i, _nbytes(a))
+            for i, (a, g) in enumerate(zip(in_avals, grads))
+            if g and _inexact(a)
+        )
+    outs = jax.tree_util.tree_leaves(out_avals)
+    residuals = []
+    for aval, description in found:
+        nbytes = _nbytes(aval)
+        match = _ARGUMENT.search(description)
+        if match:
+            residuals.append(Residual("in", int(match.group(1)), nbytes))
+            continue
+        if "from a literal" in description or "from a constant" in description:
+            continue
+        residuals.append(_matched(aval, nbytes, outs, in_avals))
+    return tuple(residuals)
+
+
+def _matched(aval, nbytes: int, outs, ins) -> Residual:
+    """An intermediate residual, tied to an output or operand of its shape
+    (else of its element count) so that it shares that tensor's cut."""
+    shape = tuple(aval.shape)
+    for side, candidates in (("out", outs), ("in", ins)):
+        for index, candidate in enumerate(candidates):
+            if tuple(candidate.shape) == shape:
+                return Residual(side, index, nbytes)
+    count = int(np.prod(shape, dtype=np.int64))
+    for side, candidates in (("out", outs), ("in", ins)):
+        for index, candidate in enumerate(candidates):
+            if int(np.prod(candidate.shape, dtype=np.int64)) == count:
+                return Residual(side, index, nbytes)
+    return Residual("other", -1, nbytes)
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _inexact(aval) -> bool:
+    return bool(jax.dtypes.issubdtype(aval.dtype, np.inexact))
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return (value.shape, str(value.dtype), value.tobytes())
+    return value

@@ -1,0 +1,140 @@
+"""What one device holds at the peak of a step, under a candidate sharding.
+
+Pure functions of the axis graph and an `Assignment`. For a training step
+(the jitted `train_step` Keras runs, state donated):
+
+- parameters: every variable's local shard (trainable and not);
+- gradients: one per trainable parameter, cut like it;
+- optimizer: `optimizer_slots` copies per trainable parameter;
+- activations: what the backward pass keeps (the graph's residuals, read
+  from JAX's derivative rules per equation), each cut like its tensor;
+- data: this device's inputs, and its targets (one per output, laid out by
+  batch only, as Keras distributes the data);
+- transient: the loss's own buffers (the output's difference to the target
+  and its gradient, in the target's layout) plus the largest single
+  activation of the step twice (a layer's output gradient and its input
+  gradient live at once).
+
+For inference (`predict`), the parameters, the data and twice the largest
+activation. Everything is bytes per device; `peak_bytes` is the sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.cost_model import (
+    Assignment,
+    MeshAxis,
+    kept_bytes,
+    local_bytes,
+)
+
+JOBS = ("train", "inference")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds at the peak of a step.
+
+    Args:
+        parameter_bytes: Variables' local shards.
+        gradient_bytes: Gradients of the trainable ones.
+        optimizer_bytes: Optimizer slots of the trainable ones.
+        activation_bytes: Values kept for the backward pass.
+        data_bytes: The step's inputs and targets on this device.
+        transient_bytes: Buffers alive only around the peak.
+    """
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    data_bytes: int
+    transient_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything at once: what must fit in the device's memory."""
+        return (
+            self.parameter_bytes
+            + self.gradient_bytes
+            + self.optimizer_bytes
+            + self.activation_bytes
+            + self.data_bytes
+            + self.transient_bytes
+        )
+
+
+def estimate_memory(
+    graph: AxisGraph,
+    axes: tuple[MeshAxis, ...],
+    assignment: Assignment,
+    optimizer_slots: int = 2,
+    job: str = "train",
+) -> MemoryEstimate:
+    """Per-device bytes at the peak of a step (see the module docstring).
+
+    Args:
+        graph: The model's axis graph.
+        axes: Mesh axes of size > 1.
+        assignment: The candidate sharding.
+        optimizer_slots: Optimizer state per trainable parameter, in copies.
+        job: `"train"` or `"inference"`.
+
+    Returns:
+        A `MemoryEstimate`.
+    """
+    if job not in JOBS:
+        raise ValueError(f"job={job!r}: use one of {JOBS}.")
+    sizes = {a.name: a.size for a in axes}
+    parameters = trainable = 0.0
+    for tensor in graph.tensors:
+        if tensor.kind in ("param", "state"):
+            shard = local_bytes(tensor, assignment, sizes)
+            parameters += shard
+            if tensor.kind == "param":
+                trainable += shard
+    inputs = sum(
+        local_bytes(t, assignment, sizes) for t in graph.tensors if t.kind == "input"
+    )
+    largest = max(
+        (
+            local_bytes(t, assignment, sizes)
+            for t in graph.tensors
+            if t.kind == "activation"
+        ),
+        default=0.0,
+    )
+    if job == "inference":
+        return MemoryEstimate(
+            parameter_bytes=int(parameters),
+            gradient_bytes=0,
+            optimizer_bytes=0,
+            activation_bytes=0,
+            data_bytes=int(inputs),
+            transient_bytes=int(2 * largest),
+        )
+    targets = _targets_bytes(graph, axes)
+    kept = kept_bytes(graph, assignment, sizes)
+    return MemoryEstimate(
+        parameter_bytes=int(parameters),
+        gradient_bytes=int(trainable),
+        optimizer_bytes=int(optimizer_slots * trainable),
+        activation_bytes=int(kept),
+        data_bytes=int(inputs + targets),
+        transient_bytes=int(2 * targets + 2 * largest),
+    )
+
+
+def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:
+    """Bytes of the targets on one device: one per differentiable output,
+    cut by the data axes only (Keras lays the data out by batch)."""
+    data_ways = math.prod(a.size for a in axes if a.data_only)
+    return sum(
+        graph.tensors[t].nbytes / data_ways
+        for t in graph.outputs
+        if graph.tensors[t].requires_grad
+    )

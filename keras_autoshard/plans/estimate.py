@@ -1,0 +1,104 @@
+"""`PlanEstimate`: what the planner expects one device to hold and move.
+
+Plain data carried by a `ShardingPlan` (JSON key `"estimate"`), so that a
+plan read back from disk still says what it costs. Bytes are per device;
+communication is per training step, by mesh axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+_BYTE_FIELDS = (
+    "parameter_bytes",
+    "gradient_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "data_bytes",
+    "transient_bytes",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEstimate:
+    """The planner's per-device figures for one plan.
+
+    Args:
+        parameter_bytes: Variables' local shards.
+        gradient_bytes: Gradients of the trainable variables.
+        optimizer_bytes: Optimizer slots of the trainable variables.
+        activation_bytes: Values the backward pass keeps.
+        data_bytes: The step's inputs and targets on one device.
+        transient_bytes: Buffers alive only around the peak.
+        communication_by_axis: Collective bytes per step, by mesh axis.
+        job: `"train"` or `"inference"`.
+        budget_bytes: The per-device budget planned for, if any.
+
+    Example:
+
+    ```python
+    estimate = plan.estimate
+    print(format_bytes(estimate.peak_bytes), estimate.fits)
+    ```
+    """
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    data_bytes: int
+    transient_bytes: int
+    communication_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    job: str = "train"
+    budget_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything one device holds at once at the peak of the step."""
+        return sum(getattr(self, name) for name in _BYTE_FIELDS)
+
+    @property
+    def communication_bytes(self) -> float:
+        return float(sum(self.communication_by_axis.values()))
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the budget (`None` without a budget)."""
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data; `peak_bytes` included for readers of the file."""
+        data: dict[str, Any] = {name: int(getattr(self, name)) for name in _BYTE_FIELDS}
+        data["peak_bytes"] = int(self.peak_bytes)
+        data["communication_by_axis"] = {
+            axis: float(value) for axis, value in self.communication_by_axis.items()
+        }
+        data["job"] = self.job
+        data["budget_bytes"] = self.budget_bytes
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanEstimate:
+        """Read `to_dict`'s form (`peak_bytes` is recomputed, not trusted)."""
+        return cls(
+            **{name: int(data[name]) for name in _BYTE_FIELDS},
+            communication_by_axis=dict(data.get("communication_by_axis") or {}),
+            job=data.get("job", "train"),
+            budget_bytes=data.get("budget_bytes"),
+        )
+
+    def lines(self) -> list[tuple[str, int]]:
+        """(label, bytes) rows for tables, ending with the peak."""
+        return [
+            ("parameters", self.parameter_bytes),
+            ("gradients", self.gradient_bytes),
+            ("optimizer state", self.optimizer_bytes),
+            ("activations kept for backward", self.activation_bytes),
+            ("inputs and targets", self.data_bytes),
+            ("transient buffers", self.transient_bytes),
+            ("peak per device", self.peak_bytes),
+        ]
