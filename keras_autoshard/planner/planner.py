@@ -34,9 +34,9 @@ from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
-    PlanEstimate,
     MeshSpec,
     PlanError,
+    PlanEstimate,
     ShardingPlan,
     VariableSharding,
 )
