@@ -313,6 +313,8 @@ class AxisGraph:
         other_residual_bytes: Bytes kept that no tensor of the graph holds
             (intermediates of a derivative of another shape), counted whole.
         outputs: The forward pass's output tensor ids.
+        workspaces: `(tensor id, factor)`: an equation whose backward pass
+            needs `factor` buffers of that operand's size at once.
 
     Example:
 
@@ -335,6 +337,7 @@ class AxisGraph:
     residuals: tuple[Kept, ...] = ()
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
+    workspaces: tuple[tuple[int, float], ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

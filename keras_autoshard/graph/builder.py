@@ -77,7 +77,11 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.jaxpr.registry import handled_primitives
-from keras_autoshard.graph.jaxpr.residuals import equation_residuals
+from keras_autoshard.graph.jaxpr.registry import ELEMENTWISE_PRIMITIVES
+from keras_autoshard.graph.jaxpr.residuals import (
+    STRUCTURAL_PRIMITIVES,
+    equation_residuals,
+)
 from keras_autoshard.graph.jaxpr.walker import (
     Walker,
     aval_itemsize,
@@ -89,6 +93,18 @@ logger = logging.getLogger(__name__)
 
 
 INVAR_KINDS = ("param", "state", "input")
+# Equations whose backward pass needs several buffers the size of their
+# operand at once: a max or min pooling's gradient is lowered by XLA to
+# reduce-windows over (value, index) pairs with index tensors of the input's
+# size (six such buffers measured on XLA:CPU, jax 0.10).
+WORKSPACE_FACTORS = {"reduce_window_max": 6.0, "reduce_window_min": 6.0}
+# Equations XLA fuses into their consumers (elementwise work and relabels).
+FUSIBLE_PRIMITIVES = frozenset(ELEMENTWISE_PRIMITIVES) | {
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+}
 
 
 def build_axis_graph(
@@ -188,10 +204,72 @@ class _GraphBuilder:
         self.other_residual_bytes = 0
         # Tensors computed from constants only.
         self.constant_like: set[int] = set()
+        # Output of an elementwise (fusible) equation -> its operands; and
+        # the tensors some unfusible equation (a matmul, a gather) reads.
+        self.fused_from: dict[int, tuple[int, ...]] = {}
+        self.feeds_unfused: set[int] = set()
+        # Operand -> buffers of its size its equation's backward needs at once.
+        self.workspaces: dict[int, float] = {}
+
+    def _kept_after_fusion(self) -> tuple[Kept, ...]:
+        """The residuals XLA materialises.
+
+        XLA fuses elementwise work into its consumers, in the backward pass
+        too: a residual made by elementwise equations from other values and
+        read by elementwise derivative work only (the sigmoid inside a SiLU,
+        a normalised activation before its scale) is recomputed inside the
+        backward fusion from the values it was made of, which are kept
+        instead. Values an unfusible equation reads (a matmul's operands)
+        or makes (its output, a reduction's) are materialised as they are.
+        """
+        kept: dict[tuple[int, float], int] = {}
+        roots_of: dict[int, tuple[int, ...]] = {}
+        for (tid, scale), times in self.residuals.items():
+            roots = self._fusion_roots(tid, roots_of)
+            for root in roots:
+                key = (root, scale) if root == tid else (root, 1.0)
+                kept[key] = max(kept.get(key, 0), times)
+        return tuple(
+            Kept(t, scale, times) for (t, scale), times in sorted(kept.items())
+        )
+
+    def _fusion_roots(
+        self, tid: int, memo: dict[int, tuple[int, ...]]
+    ) -> tuple[int, ...]:
+        """The materialised values `tid` is recomputed from (itself if it is
+        materialised)."""
+        if tid in memo:
+            return memo[tid]
+        memo[tid] = (tid,)  # a cycle guard; loops do not occur in a jaxpr
+        operands = self.fused_from.get(tid)
+        if operands is None or tid in self.feeds_unfused:
+            return memo[tid]
+        roots: list[int] = []
+        for operand in operands:
+            if (
+                operand in self.constant_like
+                or self.tensors[operand].kind != "activation"
+            ):
+                continue  # constants fold; parameters and inputs are resident
+            root_view = self.view_of.get(operand, operand)
+            for root in self._fusion_roots(root_view, memo):
+                if root not in roots:
+                    roots.append(root)
+        memo[tid] = tuple(roots)
+        return memo[tid]
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
         a value kept by several equations, or through a view of it, once."""
+        name = eqn.eqn.primitive.name
+        if name in WORKSPACE_FACTORS and eqn.ins:
+            self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
+        if name not in STRUCTURAL_PRIMITIVES:
+            if name in FUSIBLE_PRIMITIVES:
+                for tid in outs:
+                    self.fused_from[tid] = tuple(eqn.ins)
+            else:
+                self.feeds_unfused.update(eqn.ins)
         if all(t in self.constant_like for t in eqn.ins):
             # Computed from constants alone (rotary tables from iota): XLA
             # folds it into the program's constants, nothing is kept.
@@ -363,10 +441,8 @@ class _GraphBuilder:
                 (scope, tuple(calls)) for scope, calls in self.scope_outputs.items()
             ),
             grouped_convs=tuple(self.grouped_convs),
-            residuals=tuple(
-                Kept(tid, scale, times)
-                for (tid, scale), times in sorted(self.residuals.items())
-            ),
+            residuals=self._kept_after_fusion(),
+            workspaces=tuple(sorted(self.workspaces.items())),
             other_residual_bytes=self.other_residual_bytes,
         )
 

@@ -11,9 +11,11 @@ Pure functions of the axis graph and an `Assignment`. For a training step
 - data: this device's inputs, and its targets (one per output, laid out by
   batch only, as Keras distributes the data);
 - transient: the loss's own buffers (the output's difference to the target
-  and its gradient, in the target's layout) plus the largest single
-  activation of the step twice (a layer's output gradient and its input
-  gradient live at once).
+  and its gradient) plus the largest backward workspace: three times the
+  largest activation of the batch that is not an output (a layer's output
+  gradient, its
+  input gradient and that gradient's all-reduced copy live at once), or an
+  equation's own (a max pooling's gradient, `workspaces`).
 
 For inference (`predict`), the parameters, the data and twice the largest
 activation. Everything is bytes per device; `peak_bytes` is the sum.
@@ -31,6 +33,7 @@ from keras_autoshard.planner.cost_model import (
     kept_bytes,
     local_bytes,
 )
+from keras_autoshard.planner.search import batch_carrying_classes
 
 JOBS = ("train", "inference")
 
@@ -100,14 +103,16 @@ def estimate_memory(
     inputs = sum(
         local_bytes(t, assignment, sizes) for t in graph.tensors if t.kind == "input"
     )
-    largest = max(
-        (
-            local_bytes(t, assignment, sizes)
-            for t in graph.tensors
-            if t.kind == "activation"
-        ),
-        default=0.0,
-    )
+    output_ids = set(graph.outputs)
+    batch_classes = batch_carrying_classes(graph)
+    largest = largest_derived = 0.0
+    for t in graph.tensors:
+        if t.kind != "activation" or t.id in output_ids:
+            continue
+        if batch_classes.intersection(t.dim_classes):
+            largest = max(largest, local_bytes(t, assignment, sizes))
+        else:  # made from weights alone (a transposed table): it and its gradient
+            largest_derived = max(largest_derived, local_bytes(t, assignment, sizes))
     if job == "inference":
         return MemoryEstimate(
             parameter_bytes=int(parameters),
@@ -115,9 +120,28 @@ def estimate_memory(
             optimizer_bytes=0,
             activation_bytes=0,
             data_bytes=int(inputs),
-            transient_bytes=int(2 * largest),
+            transient_bytes=int(2 * max(largest, largest_derived)),
         )
     targets = _targets_bytes(graph, axes)
+    workspace = max(
+        (
+            local_bytes(graph.tensors[t], assignment, sizes) * f
+            for t, f in graph.workspaces
+        ),
+        default=0.0,
+    )
+    outputs = sum(
+        local_bytes(graph.tensors[t], assignment, sizes)
+        for t in graph.outputs
+        if graph.tensors[t].requires_grad
+    )
+    # The loss's buffers (output minus target, its gradient) take the
+    # output's cut when a data axis splits the batch, else the target's
+    # (measured on XLA:CPU: with no data axis they are laid out whole).
+    batch_split = any(
+        a.data_only and a.name in assignment.class_axis.values() for a in axes
+    )
+    loss = 2 * (outputs if batch_split else targets)
     kept = kept_bytes(graph, assignment, sizes)
     return MemoryEstimate(
         parameter_bytes=int(parameters),
@@ -125,7 +149,7 @@ def estimate_memory(
         optimizer_bytes=int(optimizer_slots * trainable),
         activation_bytes=int(kept),
         data_bytes=int(inputs + targets),
-        transient_bytes=int(2 * targets + 2 * largest),
+        transient_bytes=int(loss + max(3 * largest, 2 * largest_derived, workspace)),
     )
 
 
