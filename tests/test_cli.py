@@ -62,6 +62,8 @@ def gpt2_plan(tmp_path_factory):
         str(paths["json"]),
         "--png",
         str(paths["png"]),
+        "--hardware",
+        "h100-80gb",
     )
     return result, paths
 
@@ -77,6 +79,9 @@ def test_plan_prints_the_plan_table_totals_and_communication(gpt2_plan):
     assert "Per device (planner estimate)" in out
     assert "communication per step" in out
     assert "over model" in out
+    assert "peak per device" in out
+    assert "76.00 GiB" in out  # the H100-80GB budget: 80 GiB less 5 %
+    assert "step time on h100-80gb" in out
 
 
 def test_plan_json_is_a_loadable_plan_for_the_requested_mesh(gpt2_plan):
@@ -89,6 +94,9 @@ def test_plan_json_is_a_loadable_plan_for_the_requested_mesh(gpt2_plan):
     assert plan.batch_axis == "batch"
     query = plan.variable("transformer_layer_0/self_attention/query/kernel")
     assert query.spec == (None, "model", None)
+    saved = json.loads(paths["json"].read_text())["estimate"]
+    assert saved["peak_bytes"] == plan.estimate.peak_bytes > 0
+    assert saved["hardware"] == "h100-80gb" and saved["step_time_s"] > 0
 
 
 def test_plan_png_is_a_nonempty_png_image(gpt2_plan):

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from keras_autoshard.cli.model_sources import parse_byte_size, parse_mesh_shape
 from keras_autoshard.errors import AutoShardError
+from keras_autoshard.plans.hardware import PROFILES
 
 DEFAULT_DEVICE_COUNT = 8
 
@@ -122,7 +123,16 @@ def _model_options() -> argparse.ArgumentParser:
         "--memory-budget",
         type=parse_byte_size,
         metavar="SIZE",
-        help="per-device bytes for parameters + optimizer state, e.g. 16GiB",
+        help="per-device memory, e.g. 16GiB: the search keeps parameters + "
+        "optimizer state within it, the estimate shows the whole peak against "
+        "it (default: the --hardware profile's usable memory)",
+    )
+    mesh.add_argument(
+        "--hardware",
+        choices=sorted(PROFILES),
+        type=str.lower,
+        help="hardware profile: memory (the default budget), peak BF16 FLOP/s "
+        "and bandwidths (the estimated step time)",
     )
     mesh.add_argument(
         "--rule",

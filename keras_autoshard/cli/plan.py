@@ -56,6 +56,7 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         rules=dict(args.rule) if args.rule else None,
         device_count=args.devices,
         progress=True,
+        hardware=getattr(args, "hardware", None),
     )
     return result, sample
 
@@ -162,5 +163,11 @@ def _totals_table(result) -> Table:
     ]
     for name, value in rows:
         table.add_row(name, format_bytes(value))
+    estimate = plan.estimate
+    table.add_row("compute per step", f"{estimate.compute_flops / 1e12:,.1f} TFLOP")
+    if estimate.step_time_s is not None:
+        table.add_row(
+            f"step time on {estimate.hardware}", f"{estimate.step_time_s:,.2f} s"
+        )
     table.caption = f"planned in {result.planning_time_s:.1f} s"
     return table

@@ -76,8 +76,10 @@ from keras_autoshard.graph.axis_graph import (
     TensorNode,
     UnionFind,
 )
-from keras_autoshard.graph.jaxpr.registry import handled_primitives
-from keras_autoshard.graph.jaxpr.registry import ELEMENTWISE_PRIMITIVES
+from keras_autoshard.graph.jaxpr.registry import (
+    ELEMENTWISE_PRIMITIVES,
+    handled_primitives,
+)
 from keras_autoshard.graph.jaxpr.residuals import (
     STRUCTURAL_PRIMITIVES,
     equation_residuals,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
@@ -87,12 +88,18 @@ class PlannerOptions:
             contractions while small ones (e.g. K/V projections with fewer
             heads than the axis) may stay whole.
         time_limit_s: Time limit for the exact solver.
+        platform: The devices the plan is for (`"cpu"`, `"gpu"`, `"tpu"`):
+            XLA:CPU runs half-precision arithmetic in float32, so a CPU
+            plan's activations count at that size.
+        hardware: The `HardwareProfile` planned for, if any.
     """
 
     memory_budget_bytes: int | None = None
     optimizer_slots: int = 2
     replicated_flop_cost: float = 0.25
     time_limit_s: float = 60.0
+    platform: str = "cpu"
+    hardware: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,16 +152,31 @@ def local_bytes(
 
 
 def kept_bytes(
-    graph: AxisGraph, assignment: Assignment, sizes: Mapping[str, int]
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    half_as_single: bool = False,
 ) -> float:
     """Bytes one device keeps for the backward pass: the graph's residuals
     (`graph/jaxpr/residuals.py`) that are activations, each cut like its
-    tensor, plus residuals no tensor holds (counted whole)."""
+    tensor, plus residuals no tensor holds (counted whole).
+
+    `half_as_single` counts 2-byte activations at 4 bytes: XLA:CPU runs
+    bfloat16 and float16 arithmetic in float32 (its float normalisation), so
+    a CPU program keeps them at that size."""
     return graph.other_residual_bytes + sum(
-        local_bytes(graph.tensors[k.tensor], assignment, sizes) * k.scale * k.times
+        local_bytes(graph.tensors[k.tensor], assignment, sizes)
+        * k.scale
+        * k.times
+        * widening(graph.tensors[k.tensor], half_as_single)
         for k in graph.residuals
         if graph.tensors[k.tensor].kind == "activation"
     )
+
+
+def widening(tensor: TensorNode, half_as_single: bool) -> float:
+    """2 for a 2-byte tensor when half floats run as float32, else 1."""
+    return 2.0 if half_as_single and tensor.itemsize == 2 else 1.0
 
 
 def contraction_flops(graph: AxisGraph, event: CommEvent) -> float:

@@ -30,8 +30,11 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import (
     Assignment,
     MeshAxis,
+    contraction_flops,
+    iteration_classes,
     kept_bytes,
     local_bytes,
+    widening,
 )
 from keras_autoshard.planner.search import batch_carrying_classes
 
@@ -77,6 +80,7 @@ def estimate_memory(
     assignment: Assignment,
     optimizer_slots: int = 2,
     job: str = "train",
+    half_as_single: bool = False,
 ) -> MemoryEstimate:
     """Per-device bytes at the peak of a step (see the module docstring).
 
@@ -86,6 +90,8 @@ def estimate_memory(
         assignment: The candidate sharding.
         optimizer_slots: Optimizer state per trainable parameter, in copies.
         job: `"train"` or `"inference"`.
+        half_as_single: Count 2-byte activations at 4 bytes (XLA:CPU runs
+            half-precision arithmetic in float32; accelerators do not).
 
     Returns:
         A `MemoryEstimate`.
@@ -109,10 +115,11 @@ def estimate_memory(
     for t in graph.tensors:
         if t.kind != "activation" or t.id in output_ids:
             continue
+        size = local_bytes(t, assignment, sizes) * widening(t, half_as_single)
         if batch_classes.intersection(t.dim_classes):
-            largest = max(largest, local_bytes(t, assignment, sizes))
+            largest = max(largest, size)
         else:  # made from weights alone (a transposed table): it and its gradient
-            largest_derived = max(largest_derived, local_bytes(t, assignment, sizes))
+            largest_derived = max(largest_derived, size)
     if job == "inference":
         return MemoryEstimate(
             parameter_bytes=int(parameters),
@@ -132,6 +139,7 @@ def estimate_memory(
     )
     outputs = sum(
         local_bytes(graph.tensors[t], assignment, sizes)
+        * widening(graph.tensors[t], half_as_single)
         for t in graph.outputs
         if graph.tensors[t].requires_grad
     )
@@ -142,7 +150,7 @@ def estimate_memory(
         a.data_only and a.name in assignment.class_axis.values() for a in axes
     )
     loss = 2 * (outputs if batch_split else targets)
-    kept = kept_bytes(graph, assignment, sizes)
+    kept = kept_bytes(graph, assignment, sizes, half_as_single)
     return MemoryEstimate(
         parameter_bytes=int(parameters),
         gradient_bytes=int(trainable),
@@ -162,3 +170,20 @@ def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:
         for t in graph.outputs
         if graph.tensors[t].requires_grad
     )
+
+
+def compute_flops_per_device(
+    graph: AxisGraph, axes: tuple[MeshAxis, ...], assignment: Assignment
+) -> float:
+    """FLOPs of one training step's contractions on one device: each forward
+    contraction split by the mesh axes that cut its work, times three
+    (forward, and the two products of its backward pass)."""
+    sizes = {a.name: a.size for a in axes}
+    total = 0.0
+    for event in graph.comm_events:
+        if event.kind != "contract" or event.phase != "forward":
+            continue
+        used = {assignment.class_axis.get(c) for c in iteration_classes(graph, event)}
+        ways = math.prod(sizes[a] for a in used if a is not None)
+        total += contraction_flops(graph, event) / ways
+    return 3.0 * total

@@ -26,9 +26,17 @@ from keras_autoshard.planner.cost_model import (
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import estimate_memory
+from keras_autoshard.planner.memory_model import (
+    compute_flops_per_device,
+    estimate_memory,
+)
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins, search
+from keras_autoshard.plans.hardware import (
+    HardwareProfile,
+    hardware_profile,
+    step_time_s,
+)
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
@@ -43,6 +51,7 @@ from keras_autoshard.plans.sharding_plan import (
 from keras_autoshard.plans.units import optional_byte_size
 from keras_autoshard.plans.validation import validate_plan_structure
 from keras_autoshard.progress import progress_bar
+from keras_autoshard.runtime.devices import accelerator_memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,7 @@ def plan(
     device_count: int | None = None,
     optimizer_slots: int = 2,
     progress: bool = False,
+    hardware: str | HardwareProfile | None = None,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -79,14 +89,21 @@ def plan(
         sample_input: One batch of inputs (arrays, a dict of arrays, or
             `jax.ShapeDtypeStruct`s with the global batch size).
         memory_budget: Per-device bytes (a number, or a string such as
-            `"16GiB"`) for the state kept between steps
-            (parameters and optimizer state); `None` for no limit.
+            `"16GiB"`). The search keeps parameters and optimizer state
+            within it, and the plan's estimate (`plan.estimate`) gives the
+            whole peak of a training step against it. `None`: the
+            hardware profile's usable memory, else the accelerators' own
+            (`memory_stats()`, less a 5 % reserve), else (simulated CPU
+            devices) no limit.
         rules: Regular expression on variable path → spec, pinned as given;
             the planner fills in the rest. A rule matching nothing is an error.
         device_count: Devices to plan for when `device_mesh` is `None`.
         optimizer_slots: Optimizer state per parameter in parameter copies.
         progress: Show a progress bar on stderr (trace, axis graph, one
             search per candidate mesh); worth it for large models.
+        hardware: A hardware profile (`"h100-80gb"`, `"a100-40gb"`,
+            `"a100-80gb"`, `"tpu-v5e"`, `"tpu-v5p"`, or a `HardwareProfile`):
+            the default budget, and the step time in the estimate.
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -111,6 +128,7 @@ def plan(
         device_count=device_count,
         optimizer_slots=optimizer_slots,
         progress=progress,
+        hardware=hardware,
     ).plan
 
 
@@ -123,9 +141,17 @@ def plan_with_cost(
     device_count: int | None = None,
     optimizer_slots: int = 2,
     progress: bool = False,
+    hardware: str | HardwareProfile | None = None,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
+    profile = hardware_profile(hardware) if hardware is not None else None
     memory_budget = optional_byte_size(memory_budget)
+    if memory_budget is None:
+        memory_budget = (
+            profile.memory_budget_bytes
+            if profile is not None
+            else accelerator_memory_budget()
+        )
     from keras_autoshard.graph.builder import build_axis_graph
     from keras_autoshard.trace.tracer import build_abstract, trace_model
 
@@ -155,7 +181,10 @@ def plan_with_cost(
         graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
         task.advance()
         options = PlannerOptions(
-            memory_budget_bytes=memory_budget, optimizer_slots=optimizer_slots
+            memory_budget_bytes=memory_budget,
+            optimizer_slots=optimizer_slots,
+            platform=profile.platform if profile is not None else _device_platform(),
+            hardware=profile,
         )
         best = None
         reasons = []
@@ -188,6 +217,13 @@ def plan_with_cost(
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
 
 
+def _device_platform() -> str:
+    """The platform of the devices Keras sees (`"cpu"` for simulated ones)."""
+    import jax
+
+    return jax.devices()[0].platform
+
+
 def _objective(cost: PlanCost) -> float:
     return cost.communication_bytes + cost.replicated_flops
 
@@ -217,11 +253,30 @@ def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
     pins = _pins_from_specs(graph, pinned_specs, mesh)
     assignment = search(graph, axes, options, pins)
     cost = evaluate(graph, axes, assignment, options)
-    memory = estimate_memory(graph, axes, assignment, options.optimizer_slots)
+    memory = estimate_memory(
+        graph,
+        axes,
+        assignment,
+        options.optimizer_slots,
+        half_as_single=options.platform == "cpu",
+    )
+    flops = compute_flops_per_device(graph, axes, assignment)
+    profile = options.hardware
     estimate = PlanEstimate(
         **dataclasses.asdict(memory),
         communication_by_axis=dict(cost.communication_by_axis),
         budget_bytes=options.memory_budget_bytes,
+        hardware=None if profile is None else profile.name,
+        compute_flops=flops,
+        step_time_s=None
+        if profile is None
+        else step_time_s(
+            profile,
+            flops,
+            dict(cost.communication_by_axis),
+            mesh.axis_names,
+            mesh.shape,
+        ),
     )
     sharding_plan = _build_plan(
         graph, variables, mesh, assignment, cost, pinned_specs, estimate

@@ -35,6 +35,11 @@ class PlanEstimate:
         communication_by_axis: Collective bytes per step, by mesh axis.
         job: `"train"` or `"inference"`.
         budget_bytes: The per-device budget planned for, if any.
+        hardware: The hardware profile's name, if one was given.
+        compute_flops: FLOPs of one step's contractions on one device.
+        step_time_s: Estimated step time under the profile (compute at its
+            peak FLOP/s plus communication at each axis's bandwidth, no
+            overlap), or `None` without a profile.
 
     Example:
 
@@ -53,6 +58,9 @@ class PlanEstimate:
     communication_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
     job: str = "train"
     budget_bytes: int | None = None
+    hardware: str | None = None
+    compute_flops: float = 0.0
+    step_time_s: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -79,6 +87,9 @@ class PlanEstimate:
         }
         data["job"] = self.job
         data["budget_bytes"] = self.budget_bytes
+        data["hardware"] = self.hardware
+        data["compute_flops"] = float(self.compute_flops)
+        data["step_time_s"] = self.step_time_s
         return data
 
     @classmethod
@@ -89,6 +100,9 @@ class PlanEstimate:
             communication_by_axis=dict(data.get("communication_by_axis") or {}),
             job=data.get("job", "train"),
             budget_bytes=data.get("budget_bytes"),
+            hardware=data.get("hardware"),
+            compute_flops=float(data.get("compute_flops") or 0.0),
+            step_time_s=data.get("step_time_s"),
         )
 
     def lines(self) -> list[tuple[str, int]]:

@@ -71,3 +71,28 @@ def _running_jax_device_count() -> int | None:
     if xla_bridge is None or not getattr(xla_bridge, "_backends", None):
         return None
     return jax_module.device_count()
+
+
+def accelerator_memory_budget(reserve_fraction: float = 0.05) -> int | None:
+    """Usable memory of one accelerator: the smallest `bytes_limit` of
+    `memory_stats()` over the local devices, less `reserve_fraction` (at
+    least 1 GiB) for the runtime and the program; `None` on CPU devices
+    (simulated ones hold host memory, which has no per-device limit).
+
+    Returns:
+        Bytes, or `None`.
+    """
+    import jax
+
+    devices = jax.local_devices()
+    if not devices or devices[0].platform == "cpu":
+        return None
+    limits = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            limits.append(int(stats["bytes_limit"]))
+    if not limits:
+        return None
+    smallest = min(limits)
+    return smallest - max(2**30, int(smallest * reserve_fraction))
