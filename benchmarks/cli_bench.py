@@ -115,6 +115,13 @@ BENCHMARKS = {
             "PyTorch backend under torchrun on 2 and 4 gloo ranks",
         ),
         Benchmark(
+            "memory_truth",
+            "benchmarks.memory_truth",
+            "memory-truth",
+            ("--skip-real-sizes",),
+            "estimated vs compiled peak memory per device; real sizes planned",
+        ),
+        Benchmark(
             "torch_loading",
             "benchmarks.torch_loading",
             "torch-loading",
