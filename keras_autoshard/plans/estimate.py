@@ -69,6 +69,7 @@ class PlanEstimate:
 
     @property
     def communication_bytes(self) -> float:
+        """Collective bytes per step over every mesh axis together."""
         return float(sum(self.communication_by_axis.values()))
 
     @property

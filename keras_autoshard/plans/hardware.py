@@ -42,6 +42,13 @@ class HardwareProfile:
             devices of other nodes or slices.
         devices_per_node: Devices in one node (GPUs) or one slice (TPUs).
         source: Where the figures come from.
+
+    Example:
+
+    ```python
+    mine = HardwareProfile("l4-24gb", "gpu", 24 * 2**30, 121e12, 32e9, 12.5e9, 8)
+    plan(build, mesh, x, hardware=mine)
+    ```
     """
 
     name: str
@@ -128,8 +135,21 @@ PROFILES = {
 def hardware_profile(name_or_profile: str | HardwareProfile) -> HardwareProfile:
     """The profile of that name (case-insensitive), or the profile given.
 
+    Args:
+        name_or_profile: A name from `PROFILES` (`"h100-80gb"`, ...) or a
+            `HardwareProfile`.
+
+    Returns:
+        The `HardwareProfile`.
+
     Raises:
         PlanError: an unknown name, listing the known ones.
+
+    Example:
+
+    ```python
+    hardware_profile("H100-80GB").memory_budget_bytes  # 76 GiB
+    ```
     """
     if isinstance(name_or_profile, HardwareProfile):
         return name_or_profile
