@@ -115,7 +115,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     )
     console.print(report.table(), markup=False, highlight=False)
     checks = check_estimates(
-        planner_estimates(result.cost), report, tolerance=args.tolerance
+        planner_estimates(result.cost, result.plan.estimate),
+        report,
+        tolerance=args.tolerance,
     )
     console.print(estimate_table(checks))
     flagged = [check.quantity for check in checks if check.flagged]
