@@ -29,6 +29,7 @@ from keras_autoshard.planner.cost_model import (
     table_exchanges,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
+from keras_autoshard.planner.symmetry import repeated_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,40 @@ class _Program:
                         }
                         row[cut] = row.get(cut, 0.0) - 1.0
                         self.lp.add_row(row, lower=0.0)
+
+    def add_symmetry(self) -> None:
+        """Identical repeated blocks take identical decisions (see
+        `symmetry.py`): each copy's classes and storage cuts equal the first
+        copy's, dim by dim and axis by axis."""
+        for family in repeated_blocks(self.graph):
+            first = family[0]
+            for block in family[1:]:
+                for reference, tensor in zip(first, block):
+                    self._tie_classes(reference, tensor)
+                    self._tie_storage(reference, tensor)
+
+    def _tie_classes(self, reference: TensorNode, tensor: TensorNode) -> None:
+        for c0, c1 in zip(reference.dim_classes, tensor.dim_classes):
+            if c0 is None or c1 is None or c0 == c1:
+                continue
+            for axis in self.axes:
+                self._equal(self.x.get((c0, axis.name)), self.x.get((c1, axis.name)))
+
+    def _tie_storage(self, reference: TensorNode, tensor: TensorNode) -> None:
+        for axis in self.axes:
+            by0 = self.y.get((reference.name, axis.name), {})
+            by1 = self.y.get((tensor.name, axis.name), {})
+            for dim in set(by0) | set(by1):
+                self._equal(by0.get(dim), by1.get(dim))
+
+    def _equal(self, a: int | None, b: int | None) -> None:
+        """Binary variables `a` and `b` (None: fixed at 0) take one value."""
+        if a is None and b is None:
+            return
+        if a is None or b is None:
+            self.lp.add_row({a if b is None else b: 1.0}, upper=0.0)
+            return
+        self.lp.add_row({a: 1.0, b: -1.0}, lower=0.0, upper=0.0)
 
     # ------------------------------------------------------------- patterns
     def shard_count_terms(self, tensor: TensorNode, axis: str, fsdp: bool):
@@ -436,17 +471,28 @@ def search(
         hold; when it cannot (an op that mixes the batch with other dims, a
         batch that does not divide), the best plan that leaves it whole.
     """
-    try:
-        return _solve(graph, axes, options, pins or Pins(), "forced")
-    except InfeasibleError as forced_error:
-        logger.info("Batch split cannot be forced (%s); preferring it.", forced_error)
-        return _solve(graph, axes, options, pins or Pins(), "preferred")
+    attempts = [("forced", True), ("preferred", True), ("preferred", False)]
+    for position, (batch_split, symmetric) in enumerate(attempts):
+        try:
+            return _solve(graph, axes, options, pins or Pins(), batch_split, symmetric)
+        except InfeasibleError as error:
+            if position == len(attempts) - 1:
+                raise
+            logger.info(
+                "No plan with batch split %s and symmetric blocks %s (%s).",
+                batch_split,
+                symmetric,
+                error,
+            )
+    raise AssertionError("unreachable")
 
 
-def _solve(graph, axes, options, pins, batch_split) -> Assignment:
+def _solve(graph, axes, options, pins, batch_split, symmetric=True) -> Assignment:
     program = _Program(graph, axes, options, pins, batch_split)
     program.add_class_vars()
     program.add_fsdp_vars()
+    if symmetric:
+        program.add_symmetry()
     program.add_conflicts()
     program.add_grouped_conv_rule()
     program.add_communication()

@@ -1,0 +1,109 @@
+"""Identical repeated blocks get identical specs, and a plan is the same on
+every run; flat layers that merely share a shape are not tied."""
+
+import json
+import re
+
+import jax
+import keras
+import numpy as np
+
+from keras_autoshard import MeshSpec, plan
+
+MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))
+
+
+class Block(keras.layers.Layer):
+    """LayerNorm, then a column and a row Dense, with a residual."""
+
+    def __init__(self, width=64, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.up = keras.layers.Dense(4 * width, activation="gelu", name="up")
+        self.down = keras.layers.Dense(width, name="down")
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+        self.up.build(input_shape)
+        self.down.build(tuple(input_shape[:-1]) + (self.up.units,))
+
+    def call(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+def blocks_model(count=6, width=64, seq=16):
+    inputs = keras.Input((seq, width))
+    h = inputs
+    for _ in range(count):
+        h = Block(width)(h)
+    return keras.Model(inputs, h)
+
+
+def _specs_by_block(sharding_plan):
+    blocks = {}
+    for variable in sharding_plan.variables:
+        head, _, rest = variable.path.partition("/")
+        if head.startswith("block"):
+            blocks.setdefault(head, {})[rest] = variable.spec
+    return blocks
+
+
+def test_repeated_blocks_get_the_specs_of_the_first_even_under_a_tight_budget():
+    x = np.zeros((8, 16, 64), "float32")
+    free = plan(blocks_model, MESH_2x4, x)
+    floor = 3 * free.total_bytes() / 8  # parameters + Adam, cut 8 ways
+    free_state = free.estimate.parameter_bytes + free.estimate.optimizer_bytes
+    assert floor < free_state
+    # A budget between "everything cut" and the free plan: an asymmetric
+    # optimum would FSDP-cut some blocks only.
+    budget = int((floor + free_state) / 2)
+    tight = plan(blocks_model, MESH_2x4, x, memory_budget=budget)
+    for sharding_plan in (free, tight):
+        blocks = _specs_by_block(sharding_plan)
+        assert len(blocks) == 6
+        first = blocks["block"]
+        for name, specs in blocks.items():
+            assert specs == first, (name, specs, first)
+    assert tight.estimate.parameter_bytes + tight.estimate.optimizer_bytes <= budget
+    assert _specs_by_block(tight) != _specs_by_block(free)  # the budget bit
+
+
+def test_flat_layers_of_one_shape_are_not_tied():
+    def stack():
+        inputs = keras.Input((16, 256))
+        h = inputs
+        for _ in range(4):
+            h = keras.layers.Dense(256, activation="relu")(h)
+        return keras.Model(inputs, h)
+
+    sharding_plan = plan(stack, MESH_2x4, np.zeros((8, 16, 256), "float32"))
+    kernels = [v.spec for v in sharding_plan.variables if v.path.endswith("kernel")]
+    # Megatron: column then row, alternating; tying would force one spec.
+    assert len(set(kernels)) == 2, kernels
+
+
+def test_a_70b_plan_is_the_same_twice_and_every_layer_matches_layer_0():
+    import keras_hub
+
+    with open("examples/configs/llama2_70b.json") as file:
+        config = json.load(file)
+    shape = (256, 4096)
+    x = {
+        "token_ids": jax.ShapeDtypeStruct(shape, np.int32),
+        "padding_mask": jax.ShapeDtypeStruct(shape, np.int32),
+    }
+
+    def build():
+        return keras_hub.models.LlamaBackbone(**config)
+
+    mesh = MeshSpec((32, 8), ("batch", "model"))
+    first = plan(build, mesh, x, hardware="h100-80gb")
+    second = plan(build, mesh, x, hardware="h100-80gb")
+    assert first.to_json() == second.to_json()
+    layers = {}
+    for variable in first.variables:
+        match = re.match(r"transformer_layer_(\d+)/(.*)", variable.path)
+        if match:
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = variable.spec
+    assert len(layers) == 80
+    assert all(specs == layers[0] for specs in layers.values())
