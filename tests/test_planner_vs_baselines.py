@@ -144,9 +144,15 @@ def _tight_plan(name, mesh):
 
 
 @pytest.mark.parametrize("name, mesh", KERAS_HUB_CASES, ids=str)
-def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh):
+def test_tight_budget_plan_fits_and_moves_no_more_than_keras_hub_layout_map(
+    name, mesh
+):
     """With 1.05 × (parameters + Adam) ÷ devices the plan fits (addressable
-    shards) and moves fewer bytes than KerasHub's map; on the data-only 8x1
+    shards) and moves no more bytes than KerasHub's map. Plans are symmetric
+    (every transformer layer cut alike), so a budget that needs FSDP on
+    nearly every layer gets it on every layer: Gemma on 2x4 then moves
+    exactly what KerasHub's map moves (an uneven mix of layers, before
+    symmetric plans, moved less). On the data-only 8x1
     mesh the budget leaves one plan, full FSDP, which is what KerasHub's map
     is there: equal bytes, not more."""
     build, x, y, tight, budget = _tight_plan(name, mesh)
@@ -158,10 +164,7 @@ def test_tight_budget_plan_fits_and_still_beats_keras_hub_layout_map(name, mesh)
     hub = compiled_report(build, keras_hub_layout_map(build, mesh), x, y)
     auto_bytes = report.train_step.operand_bytes()
     hub_bytes = hub.train_step.operand_bytes()
-    if mesh.axis_size("model") > 1:
-        assert auto_bytes < hub_bytes
-    else:
-        assert auto_bytes <= hub_bytes
+    assert auto_bytes <= hub_bytes
 
 
 def test_storage_cut_table_gathers_its_lookup_output_once():
