@@ -3,6 +3,7 @@ environment, with a timeout so a dead rank stops the others."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -53,6 +54,18 @@ def ensure_process_group(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # A group left to interpreter shutdown can abort the process ("terminate
+    # called without an active exception" from the backend's threads, seen
+    # with gloo), turning a finished job into a failed one: the group this
+    # function started is destroyed at exit.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def device_type() -> str:
