@@ -93,15 +93,6 @@ REAL_SIZES = (
 )
 
 
-def compiled_peak(memory: dict) -> int:
-    return (
-        memory["argument_bytes"]
-        + memory["output_bytes"]
-        + memory["temp_bytes"]
-        - memory["alias_bytes"]
-    )
-
-
 def zoo_rows() -> list[dict]:
     """Estimate against compiled for every zoo model, mesh and policy."""
     import keras
@@ -109,6 +100,7 @@ def zoo_rows() -> list[dict]:
     from benchmarks import zoo
     from keras_autoshard import MeshSpec, PlanDistribution, plan
     from keras_autoshard.report.compiled_program import inspect_compiled
+    from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
     cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
     rows = []
@@ -131,7 +123,7 @@ def zoo_rows() -> list[dict]:
                         "mesh": f"{shape[0]}x{shape[1]}",
                         "policy": policy,
                         "estimate": sharding_plan.estimate.to_dict(),
-                        "compiled_peak": compiled_peak(report.train_step.memory),
+                        "compiled_peak": compiled_peak_bytes(report.train_step.memory),
                         "compiled_communication": report.train_step.operand_bytes(),
                     }
                 )

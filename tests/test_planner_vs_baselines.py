@@ -144,9 +144,7 @@ def _tight_plan(name, mesh):
 
 
 @pytest.mark.parametrize("name, mesh", KERAS_HUB_CASES, ids=str)
-def test_tight_budget_plan_fits_and_moves_no_more_than_keras_hub_layout_map(
-    name, mesh
-):
+def test_tight_budget_plan_fits_and_moves_no_more_than_keras_hub_layout_map(name, mesh):
     """With 1.05 × (parameters + Adam) ÷ devices the plan fits (addressable
     shards) and moves no more bytes than KerasHub's map. Plans are symmetric
     (every transformer layer cut alike), so a budget that needs FSDP on

@@ -23,7 +23,6 @@ activation. Everything is bytes per device; `peak_bytes` is the sum.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from keras_autoshard.graph.axis_graph import AxisGraph
@@ -37,41 +36,9 @@ from keras_autoshard.planner.cost_model import (
     widening,
 )
 from keras_autoshard.planner.search import batch_carrying_classes
+from keras_autoshard.plans.estimate import PlanEstimate
 
 JOBS = ("train", "inference")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one device holds at the peak of a step.
-
-    Args:
-        parameter_bytes: Variables' local shards.
-        gradient_bytes: Gradients of the trainable ones.
-        optimizer_bytes: Optimizer slots of the trainable ones.
-        activation_bytes: Values kept for the backward pass.
-        data_bytes: The step's inputs and targets on this device.
-        transient_bytes: Buffers alive only around the peak.
-    """
-
-    parameter_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    data_bytes: int
-    transient_bytes: int
-
-    @property
-    def peak_bytes(self) -> int:
-        """Everything at once: what must fit in the device's memory."""
-        return (
-            self.parameter_bytes
-            + self.gradient_bytes
-            + self.optimizer_bytes
-            + self.activation_bytes
-            + self.data_bytes
-            + self.transient_bytes
-        )
 
 
 def estimate_memory(
@@ -81,7 +48,7 @@ def estimate_memory(
     optimizer_slots: int = 2,
     job: str = "train",
     half_as_single: bool = False,
-) -> MemoryEstimate:
+) -> PlanEstimate:
     """Per-device bytes at the peak of a step (see the module docstring).
 
     Args:
@@ -94,7 +61,8 @@ def estimate_memory(
             half-precision arithmetic in float32; accelerators do not).
 
     Returns:
-        A `MemoryEstimate`.
+        A `PlanEstimate` with its byte fields set (communication, budget
+        and step time are the planner's to add).
     """
     if job not in JOBS:
         raise ValueError(f"job={job!r}: use one of {JOBS}.")
@@ -121,7 +89,7 @@ def estimate_memory(
         else:  # made from weights alone (a transposed table): it and its gradient
             largest_derived = max(largest_derived, size)
     if job == "inference":
-        return MemoryEstimate(
+        return PlanEstimate(
             parameter_bytes=int(parameters),
             gradient_bytes=0,
             optimizer_bytes=0,
@@ -151,7 +119,7 @@ def estimate_memory(
     )
     loss = 2 * (outputs if batch_split else targets)
     kept = kept_bytes(graph, assignment, sizes, half_as_single)
-    return MemoryEstimate(
+    return PlanEstimate(
         parameter_bytes=int(parameters),
         gradient_bytes=int(trainable),
         optimizer_bytes=int(optimizer_slots * trainable),

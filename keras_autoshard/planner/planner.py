@@ -262,8 +262,8 @@ def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
     )
     flops = compute_flops_per_device(graph, axes, assignment)
     profile = options.hardware
-    estimate = PlanEstimate(
-        **dataclasses.asdict(memory),
+    estimate = dataclasses.replace(
+        memory,
         communication_by_axis=dict(cost.communication_by_axis),
         budget_bytes=options.memory_budget_bytes,
         hardware=None if profile is None else profile.name,
