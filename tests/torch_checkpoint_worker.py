@@ -65,6 +65,23 @@ def state(tp) -> dict[str, np.ndarray]:
     return out
 
 
+def train_and_save(mesh, x, y, directory):
+    """A wrapper trained SAVED_STEP steps and checkpointed at that step;
+    returns it and its gathered state."""
+    tp = wrapped(mesh, seed=0)
+    tp.compile(optimizer=adam(), loss="mse")
+    for _ in range(SAVED_STEP):
+        tp.train_on_batch(x, y)
+    ka.save_checkpoint(
+        tp,
+        directory,
+        step=SAVED_STEP,
+        metadata={"epoch": 1},
+        data_iterator_state={"position": SAVED_STEP},
+    )
+    return tp, state(tp)
+
+
 def run(mode: str, mesh_text: str, out_dir: str) -> dict:
     mesh = ka.MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
     x, y = batch("mlp")
@@ -76,19 +93,8 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
     if mode == "damaged":
         return run_damaged(mesh, x[rows], out_dir)
     if mode == "kill":
-        tp = wrapped(mesh, seed=0)
+        tp, saved = train_and_save(mesh, x[rows], y[rows], directory)
         rank = torch.distributed.get_rank()
-        tp.compile(optimizer=adam(), loss="mse")
-        for _ in range(SAVED_STEP):
-            tp.train_on_batch(x[rows], y[rows])
-        ka.save_checkpoint(
-            tp,
-            directory,
-            step=SAVED_STEP,
-            metadata={"epoch": 1},
-            data_iterator_state={"position": SAVED_STEP},
-        )
-        saved = state(tp)
         if rank == 0:
             np.savez(os.path.join(out_dir, "state3.npz"), **saved)
         tp.train_on_batch(x[rows], y[rows])
@@ -100,19 +106,8 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
         ka.save_checkpoint(tp, directory, step=SAVED_STEP + 1)
         problems.append(f"rank {rank} finished a save it should not have")
     elif mode == "save":
-        tp = wrapped(mesh, seed=0)
+        tp, saved = train_and_save(mesh, x[rows], y[rows], directory)
         rank = torch.distributed.get_rank()
-        tp.compile(optimizer=adam(), loss="mse")
-        for _ in range(SAVED_STEP):
-            tp.train_on_batch(x[rows], y[rows])
-        ka.save_checkpoint(
-            tp,
-            directory,
-            step=SAVED_STEP,
-            metadata={"epoch": 1},
-            data_iterator_state={"position": SAVED_STEP},
-        )
-        saved = state(tp)
         losses = [float(tp.train_on_batch(x[rows], y[rows])) for _ in range(MORE_STEPS)]
         if rank == 0:
             np.savez(os.path.join(out_dir, "state3.npz"), **saved)
