@@ -25,6 +25,7 @@ _PUBLIC_NAMES = {
     "hardware_profile": "keras_autoshard.plans.hardware",
     "plan_from_rules": "keras_autoshard.plans.rules",
     "PlanDistribution": "keras_autoshard.apply.jax.plan_distribution",
+    "rematerialize": "keras_autoshard.apply.remat",
     "make_device_mesh": "keras_autoshard.apply.jax.device_mesh",
     "DeviceSetupError": "keras_autoshard.runtime.devices",
     "simulate_devices": "keras_autoshard.runtime.devices",

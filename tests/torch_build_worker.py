@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard.runtime.torch_shards import full_numpy  # noqa: E402
+from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import batch, build  # noqa: E402
 from tests.torch_weights_worker import compare_with_file, rows_of_rank  # noqa: E402
 
@@ -155,7 +156,4 @@ if __name__ == "__main__":
             result = run_init(*args)
     except Exception:
         result = {"ok": False, "problems": [traceback.format_exc()]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
-        json.dump(result, file)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_rank(out_dir, rank, result)

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard.runtime.torch_shards import full_numpy  # noqa: E402
+from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import adam, batch, build  # noqa: E402
 from tests.torch_weights_worker import rows_of_rank  # noqa: E402
 
@@ -225,5 +226,4 @@ if __name__ == "__main__":
         result = run(mode, mesh_text, out_dir)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"ok": False, "problems": [traceback.format_exc()]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    finish_rank(out_dir, rank, result)

@@ -40,6 +40,7 @@ from keras_autoshard.apply.torch.planning import plan_for_torch  # noqa: E402
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel  # noqa: E402
 from keras_autoshard.planner.remote import align_plan  # noqa: E402
 from keras_autoshard.runtime.torch_processes import ensure_process_group  # noqa: E402
+from tests.torch_launch import finish_rank  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 5
@@ -210,9 +211,7 @@ def tensor_parallel_run(mesh, out_dir):
         for key in ("forward", "losses")
         if not figures[key] <= RTOL
     ]
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"ok": not problems, "problems": problems, **figures}, f)
-    torch.distributed.destroy_process_group()
+    finish_rank(out_dir, rank, {"ok": not problems, "problems": problems, **figures})
 
 
 def torch_state(sharded):

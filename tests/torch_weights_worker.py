@@ -21,7 +21,6 @@ Usage: torchrun --nproc-per-node N tests/torch_weights_worker.py MODEL DxM OUT J
     BAD_FILE
 """
 
-import json
 import os
 import sys
 import traceback
@@ -42,6 +41,7 @@ from keras_autoshard.runtime.torch_shards import (  # noqa: E402
     local_slice_index,
 )
 from keras_autoshard.trace.keras_layout import keras_h5_keys  # noqa: E402
+from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import BATCH, adam, batch, build  # noqa: E402
 
 TRAIN_STEPS = 3
@@ -143,5 +143,4 @@ if __name__ == "__main__":
         result = run(name, mesh_text, out_dir, jax_file, bad_file)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"ok": False, "problems": [traceback.format_exc()]}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    finish_rank(out_dir, rank, result)

@@ -285,11 +285,14 @@ class Kept:
             float tensor: 0.25).
         times: How many copies are kept (a loop body's residual: one per
             trip).
+        layers: The top-level layers whose backward pass needs it (a
+            rematerialized layer keeps none of its own).
     """
 
     tensor: int
     scale: float
     times: int
+    layers: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +318,11 @@ class AxisGraph:
         outputs: The forward pass's output tensor ids.
         workspaces: `(tensor id, factor)`: an equation whose backward pass
             needs `factor` buffers of that operand's size at once.
+        tensor_layers: The top-level Keras layer whose call made each
+            tensor ("" outside any layer; `graph/blocks.py`).
+        layer_inputs: `(layer, tensor ids)`: the activations each top-level
+            layer reads from outside its call (what a rematerialized call
+            keeps).
 
     Example:
 
@@ -338,6 +346,8 @@ class AxisGraph:
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
     workspaces: tuple[tuple[int, float], ...] = ()
+    tensor_layers: tuple[str, ...] = ()
+    layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

@@ -76,6 +76,7 @@ from keras_autoshard.graph.axis_graph import (
     TensorNode,
     UnionFind,
 )
+from keras_autoshard.graph.blocks import ScopeTracker
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -201,8 +202,11 @@ class _GraphBuilder:
         # Name scope (Keras layer path) -> the last tensor of each call.
         self.scope_outputs: dict[str, list[int]] = {}
         self._open_scopes: frozenset[str] = frozenset()
+        self.layers = ScopeTracker()
         # (tensor id, bytes per tensor byte) -> times kept (loop trips).
         self.residuals: dict[tuple[int, float], int] = {}
+        # The same key -> the top-level layers whose equations keep it.
+        self.residual_layers: dict[tuple[int, float], set[str]] = {}
         self.other_residual_bytes = 0
         # Tensors computed from constants only.
         self.constant_like: set[int] = set()
@@ -225,14 +229,17 @@ class _GraphBuilder:
         or makes (its output, a reduction's) are materialised as they are.
         """
         kept: dict[tuple[int, float], int] = {}
+        layers: dict[tuple[int, float], set[str]] = {}
         roots_of: dict[int, tuple[int, ...]] = {}
         for (tid, scale), times in self.residuals.items():
             roots = self._fusion_roots(tid, roots_of)
             for root in roots:
                 key = (root, scale) if root == tid else (root, 1.0)
                 kept[key] = max(kept.get(key, 0), times)
+                layers.setdefault(key, set()).update(self.residual_layers[(tid, scale)])
         return tuple(
-            Kept(t, scale, times) for (t, scale), times in sorted(kept.items())
+            Kept(t, scale, times, tuple(sorted(layers[(t, scale)])))
+            for (t, scale), times in sorted(kept.items())
         )
 
     def _fusion_roots(
@@ -263,6 +270,7 @@ class _GraphBuilder:
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
         a value kept by several equations, or through a view of it, once."""
+        self.layers.record(eqn.ins, outs, self._is_activation)
         name = eqn.eqn.primitive.name
         if name in WORKSPACE_FACTORS and eqn.ins:
             self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
@@ -295,6 +303,10 @@ class _GraphBuilder:
             scale = residual.nbytes / whole if whole else 0.0
             key = (self.view_of.get(tid, tid), scale)
             self.residuals[key] = max(self.residuals.get(key, 0), eqn.multiplicity)
+            self.residual_layers.setdefault(key, set()).add(self.layers.current)
+
+    def _is_activation(self, tid: int) -> bool:
+        return self.tensors[tid].kind == "activation" and tid not in self.constant_like
 
     def record_scope(self, name_stack: str, outs: Sequence[int]) -> None:
         """Note `outs` as the latest output of `name_stack` and its parents.
@@ -446,6 +458,8 @@ class _GraphBuilder:
             residuals=self._kept_after_fusion(),
             workspaces=tuple(sorted(self.workspaces.items())),
             other_residual_bytes=self.other_residual_bytes,
+            tensor_layers=self.layers.scopes(len(self.tensors)),
+            layer_inputs=tuple(sorted(self.layers.outside_inputs().items())),
         )
 
     def _mark_repeated_classes(self) -> None:

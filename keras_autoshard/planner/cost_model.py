@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
+from keras_autoshard.planner.remat import kept_terms
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
 
 
@@ -76,10 +77,10 @@ class PlannerOptions:
     """Knobs of the cost model and search.
 
     Args:
-        memory_budget_bytes: Per-device limit on the state devices keep
-            between steps: parameters (and other variables) plus optimizer
-            slots; `None` for no limit. Gradients and activations are
-            estimated and reported, not budgeted.
+        memory_budget_bytes: Per-device limit on everything a device holds
+            at the peak of a step (`planner/memory_model.py`): parameters,
+            gradients, optimizer slots, kept activations, data and
+            transient buffers; `None` for no limit.
         optimizer_slots: Optimizer state per parameter, in parameter copies
             (Adam: 2).
         replicated_flop_cost: Cost, in bytes of communication, of one FLOP
@@ -92,6 +93,10 @@ class PlannerOptions:
             XLA:CPU runs half-precision arithmetic in float32, so a CPU
             plan's activations count at that size.
         hardware: The `HardwareProfile` planned for, if any.
+        job: `"train"` (a training step) or `"inference"` (`predict`): what
+            the budget holds.
+        minimize_peak: With no budget, make the peak per device the first
+            term of the objective (used to say by how much nothing fits).
     """
 
     memory_budget_bytes: int | None = None
@@ -100,6 +105,8 @@ class PlannerOptions:
     time_limit_s: float = 60.0
     platform: str = "cpu"
     hardware: Any = None
+    job: str = "train"
+    minimize_peak: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,21 +163,21 @@ def kept_bytes(
     assignment: Assignment,
     sizes: Mapping[str, int],
     half_as_single: bool = False,
+    remat: frozenset[str] = frozenset(),
 ) -> float:
     """Bytes one device keeps for the backward pass: the graph's residuals
-    (`graph/jaxpr/residuals.py`) that are activations, each cut like its
+    (`graph/jaxpr/residuals.py`) that are activations under the
+    rematerialized layers `remat` (`planner/remat.py`), each cut like its
     tensor, plus residuals no tensor holds (counted whole).
 
     `half_as_single` counts 2-byte activations at 4 bytes: XLA:CPU runs
     bfloat16 and float16 arithmetic in float32 (its float normalisation), so
     a CPU program keeps them at that size."""
     return graph.other_residual_bytes + sum(
-        local_bytes(graph.tensors[k.tensor], assignment, sizes)
-        * k.scale
-        * k.times
-        * widening(graph.tensors[k.tensor], half_as_single)
-        for k in graph.residuals
-        if graph.tensors[k.tensor].kind == "activation"
+        local_bytes(graph.tensors[tid], assignment, sizes)
+        * factor
+        * widening(graph.tensors[tid], half_as_single)
+        for tid, factor in kept_terms(graph, remat)
     )
 
 

@@ -48,6 +48,7 @@ def estimate_memory(
     optimizer_slots: int = 2,
     job: str = "train",
     half_as_single: bool = False,
+    remat: frozenset[str] = frozenset(),
 ) -> PlanEstimate:
     """Per-device bytes at the peak of a step (see the module docstring).
 
@@ -59,6 +60,8 @@ def estimate_memory(
         job: `"train"` or `"inference"`.
         half_as_single: Count 2-byte activations at 4 bytes (XLA:CPU runs
             half-precision arithmetic in float32; accelerators do not).
+        remat: Names of the top-level layers rematerialized
+            (`planner/remat.py`).
 
     Returns:
         A `PlanEstimate` with its byte fields set (communication, budget
@@ -96,6 +99,7 @@ def estimate_memory(
             activation_bytes=0,
             data_bytes=int(inputs),
             transient_bytes=int(2 * max(largest, largest_derived)),
+            job="inference",
         )
     targets = _targets_bytes(graph, axes)
     workspace = max(
@@ -118,7 +122,7 @@ def estimate_memory(
         a.data_only and a.name in assignment.class_axis.values() for a in axes
     )
     loss = 2 * (outputs if batch_split else targets)
-    kept = kept_bytes(graph, assignment, sizes, half_as_single)
+    kept = kept_bytes(graph, assignment, sizes, half_as_single, remat)
     return PlanEstimate(
         parameter_bytes=int(parameters),
         gradient_bytes=int(trainable),
@@ -141,17 +145,34 @@ def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:
 
 
 def compute_flops_per_device(
-    graph: AxisGraph, axes: tuple[MeshAxis, ...], assignment: Assignment
-) -> float:
+    graph: AxisGraph,
+    axes: tuple[MeshAxis, ...],
+    assignment: Assignment,
+    remat: frozenset[str] = frozenset(),
+) -> tuple[float, float]:
     """FLOPs of one training step's contractions on one device: each forward
     contraction split by the mesh axes that cut its work, times three
-    (forward, and the two products of its backward pass)."""
+    (forward, and the two products of its backward pass), and once more
+    where a rematerialized layer recomputes it.
+
+    Args:
+        graph: The model's axis graph.
+        axes: Mesh axes of size > 1.
+        assignment: The candidate sharding.
+        remat: Names of the top-level layers rematerialized.
+
+    Returns:
+        `(total FLOPs, of which recomputation)`.
+    """
     sizes = {a.name: a.size for a in axes}
-    total = 0.0
+    total = recomputed = 0.0
     for event in graph.comm_events:
         if event.kind != "contract" or event.phase != "forward":
             continue
         used = {assignment.class_axis.get(c) for c in iteration_classes(graph, event)}
         ways = math.prod(sizes[a] for a in used if a is not None)
-        total += contraction_flops(graph, event) / ways
-    return 3.0 * total
+        flops = contraction_flops(graph, event) / ways
+        total += 3.0 * flops
+        if graph.tensor_layers and graph.tensor_layers[event.tensor] in remat:
+            recomputed += flops
+    return total + recomputed, recomputed

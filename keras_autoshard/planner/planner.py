@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping
 
 import keras
 
@@ -20,23 +21,21 @@ from keras_autoshard.planner.cost_model import (
     MeshAxis,
     PlanCost,
     PlannerOptions,
-    evaluate,
     storage_cut_only,
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
+from keras_autoshard.planner.levers import (
+    Candidate,
+    NoFit,
+    choose_levers,
+    usable_budget,
+)
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import (
-    compute_flops_per_device,
-    estimate_memory,
-)
+from keras_autoshard.planner.memory_model import JOBS
 from keras_autoshard.planner.roles import class_roles
-from keras_autoshard.planner.search import Pins, search
-from keras_autoshard.plans.hardware import (
-    HardwareProfile,
-    hardware_profile,
-    step_time_s,
-)
+from keras_autoshard.planner.search import Pins
+from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
@@ -76,6 +75,7 @@ def plan(
     optimizer_slots: int = 2,
     progress: bool = False,
     hardware: str | HardwareProfile | None = None,
+    job: str = "train",
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -89,12 +89,15 @@ def plan(
         sample_input: One batch of inputs (arrays, a dict of arrays, or
             `jax.ShapeDtypeStruct`s with the global batch size).
         memory_budget: Per-device bytes (a number, or a string such as
-            `"16GiB"`). The search keeps parameters and optimizer state
-            within it, and the plan's estimate (`plan.estimate`) gives the
-            whole peak of a training step against it. `None`: the
-            hardware profile's usable memory, else the accelerators' own
-            (`memory_stats()`, less a 5 % reserve), else (simulated CPU
-            devices) no limit.
+            `"16GiB"`). The search keeps the whole peak of a step within
+            it (parameters, gradients, optimizer state, kept activations,
+            data, transient buffers; `plan.estimate`), choosing
+            rematerialization where the sharding alone does not fit; when
+            nothing fits, a `PlanError` says by how much and what would.
+            `None`: the hardware profile's usable memory, else the
+            accelerators' own (`memory_stats()`, less a 5 % reserve), else
+            (simulated CPU devices) no limit; a plan that cannot fit such a
+            default budget is returned with a warning and a note instead.
         rules: Regular expression on variable path → spec, pinned as given;
             the planner fills in the rest. A rule matching nothing is an error.
         device_count: Devices to plan for when `device_mesh` is `None`.
@@ -103,7 +106,11 @@ def plan(
             search per candidate mesh); worth it for large models.
         hardware: A hardware profile (`"h100-80gb"`, `"a100-40gb"`,
             `"a100-80gb"`, `"tpu-v5e"`, `"tpu-v5p"`, or a `HardwareProfile`):
-            the default budget, and the step time in the estimate.
+            the default budget, and the step time in the estimate (the
+            objective among plans that fit).
+        job: `"train"` (a training step: gradients, optimizer state and
+            kept activations) or `"inference"` (`predict`: variables, data
+            and the largest activations).
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -129,6 +136,7 @@ def plan(
         optimizer_slots=optimizer_slots,
         progress=progress,
         hardware=hardware,
+        job=job,
     ).plan
 
 
@@ -142,10 +150,14 @@ def plan_with_cost(
     optimizer_slots: int = 2,
     progress: bool = False,
     hardware: str | HardwareProfile | None = None,
+    job: str = "train",
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
+    if job not in JOBS:
+        raise ValueError(f"job={job!r}: use one of {JOBS}.")
     profile = hardware_profile(hardware) if hardware is not None else None
     memory_budget = optional_byte_size(memory_budget)
+    budget_asked = memory_budget is not None
     if memory_budget is None:
         memory_budget = (
             profile.memory_budget_bytes
@@ -185,22 +197,39 @@ def plan_with_cost(
             optimizer_slots=optimizer_slots,
             platform=profile.platform if profile is not None else _device_platform(),
             hardware=profile,
+            job=job,
         )
         best = None
         reasons = []
+        no_fit: list[tuple[MeshSpec, NoFit]] = []
         for mesh in meshes:
             task.describe(f"planning: search on {mesh.describe()}")
             try:
                 candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
+            except NoFit as error:
+                logger.info("Mesh %s: %s", mesh.describe(), error)
+                no_fit.append((mesh, error))
+                continue
             except InfeasibleError as error:
                 logger.info("Mesh %s: %s", mesh.describe(), error)
                 reasons.append(f"{mesh.describe()}: {error}")
                 continue
             finally:
                 task.advance()
-            if best is None or _objective(candidate[1]) < _objective(best[1]):
+            if best is None or _objective(candidate) < _objective(best):
                 best = candidate
         task.describe("planning: done")
+    if best is None and no_fit:
+        mesh, closest = min(no_fit, key=lambda m: m[1].best.estimate.peak_bytes)
+        message = _no_fit_message(mesh, closest)
+        if budget_asked:
+            raise PlanError(message)
+        warnings.warn(message, stacklevel=2)
+        best = _finish_plan(graph, traced.variables, mesh, rules, closest.best)
+        best = (
+            dataclasses.replace(best[0], notes=best[0].notes + (message,)),
+            best[1],
+        )
     if best is None:
         if memory_budget is None:
             raise PlanError(
@@ -212,7 +241,7 @@ def plan_with_cost(
                 "(e.g. a kernel and the activation it makes) are not pinned to "
                 f"conflicting axes. Rules given: {sorted(rules or {})}."
             )
-        raise PlanError(_no_fit_message(graph, meshes, memory_budget, optimizer_slots))
+        raise PlanError(f"No plan on {', '.join(m.describe() for m in meshes)}.")
     sharding_plan, cost = best
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
 
@@ -224,7 +253,12 @@ def _device_platform() -> str:
     return jax.devices()[0].platform
 
 
-def _objective(cost: PlanCost) -> float:
+def _objective(candidate: tuple[ShardingPlan, PlanCost]) -> float:
+    """Step time under the profile when there is one, else bytes moved
+    plus the replicated-math penalty."""
+    plan, cost = candidate
+    if plan.estimate is not None and plan.estimate.step_time_s is not None:
+        return plan.estimate.step_time_s
     return cost.communication_bytes + cost.replicated_flops
 
 
@@ -243,45 +277,35 @@ def _candidate_meshes(device_mesh, device_count) -> list[MeshSpec]:
 
 
 def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
-    axes = tuple(
+    axes = _mesh_axes(mesh)
+    pinned_specs = _pinned_specs(variables, rules)
+    _check_rules_against_shapes(variables, rules, mesh)
+    pins = _pins_from_specs(graph, pinned_specs, mesh)
+    chosen = choose_levers(graph, axes, mesh, options, pins)
+    return _finish_plan(graph, variables, mesh, rules, chosen)
+
+
+def _mesh_axes(mesh: MeshSpec) -> tuple[MeshAxis, ...]:
+    return tuple(
         MeshAxis.named(name, size)
         for name, size in zip(mesh.axis_names, mesh.shape)
         if size > 1
     )
+
+
+def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
     pinned_specs = _pinned_specs(variables, rules)
-    _check_rules_against_shapes(variables, rules, mesh)
-    pins = _pins_from_specs(graph, pinned_specs, mesh)
-    assignment = search(graph, axes, options, pins)
-    cost = evaluate(graph, axes, assignment, options)
-    memory = estimate_memory(
-        graph,
-        axes,
-        assignment,
-        options.optimizer_slots,
-        half_as_single=options.platform == "cpu",
-    )
-    flops = compute_flops_per_device(graph, axes, assignment)
-    profile = options.hardware
-    estimate = dataclasses.replace(
-        memory,
-        communication_by_axis=dict(cost.communication_by_axis),
-        budget_bytes=options.memory_budget_bytes,
-        hardware=None if profile is None else profile.name,
-        compute_flops=flops,
-        step_time_s=None
-        if profile is None
-        else step_time_s(
-            profile,
-            flops,
-            dict(cost.communication_by_axis),
-            mesh.axis_names,
-            mesh.shape,
-        ),
-    )
     sharding_plan = _build_plan(
-        graph, variables, mesh, assignment, cost, pinned_specs, estimate
+        graph,
+        variables,
+        mesh,
+        chosen.assignment,
+        chosen.cost,
+        pinned_specs,
+        chosen.estimate,
+        chosen.remat,
     )
-    return sharding_plan, cost
+    return sharding_plan, chosen.cost
 
 
 def _pinned_specs(variables, rules) -> dict[str, tuple]:
@@ -372,7 +396,14 @@ def _is_param(graph: AxisGraph, path: str) -> bool:
 
 
 def _build_plan(
-    graph, variables, mesh, assignment: Assignment, cost, pinned, estimate=None
+    graph,
+    variables,
+    mesh,
+    assignment: Assignment,
+    cost,
+    pinned,
+    estimate=None,
+    remat: tuple[str, ...] = (),
 ):
     roles = class_roles(graph)
     by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
@@ -411,15 +442,14 @@ def _build_plan(
         activations=activations,
         notes=tuple(plan_notes(graph, mesh, assignment, roles, cost) + pin_notes),
         estimate=estimate,
+        rematerialize=remat,
     )
     validate_plan_structure(plan)
     return plan
 
 
-def _memory_note(estimate: PlanEstimate) -> str:
-    """The estimated peak per device, against the budget when there is one."""
-    peak = format_bytes(estimate.peak_bytes)
-    parts = (
+def _parts(estimate: PlanEstimate) -> str:
+    return (
         f"parameters {format_bytes(estimate.parameter_bytes)}, gradients "
         f"{format_bytes(estimate.gradient_bytes)}, optimizer "
         f"{format_bytes(estimate.optimizer_bytes)}, activations kept for the "
@@ -427,20 +457,28 @@ def _memory_note(estimate: PlanEstimate) -> str:
         f"targets {format_bytes(estimate.data_bytes)}, transient "
         f"{format_bytes(estimate.transient_bytes)}"
     )
+
+
+def _memory_note(estimate: PlanEstimate) -> str:
+    """The estimated peak per device, against the budget when there is one,
+    and the levers chosen."""
+    peak = format_bytes(estimate.peak_bytes)
+    job = "a training step" if estimate.job == "train" else "inference"
+    levers = "".join(f" Chosen to fit: {lever}." for lever in estimate.levers)
     if estimate.budget_bytes is None:
-        return f"Estimated peak per device of a training step: {peak} ({parts})."
+        return (
+            f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
+        )
     if estimate.fits:
         return (
             f"Estimated peak per device {peak} fits the budget "
-            f"{format_bytes(estimate.budget_bytes)} ({parts})."
+            f"{format_bytes(estimate.budget_bytes)} ({_parts(estimate)})." + levers
         )
     over = format_bytes(estimate.peak_bytes - estimate.budget_bytes)
     return (
         f"Estimated peak per device {peak} EXCEEDS the budget "
-        f"{format_bytes(estimate.budget_bytes)} by {over} ({parts}). The search "
-        "limits parameters and optimizer state to the budget; it does not yet "
-        "choose rematerialization or sequence parallelism to cut activations: "
-        "use a smaller batch per device or more devices."
+        f"{format_bytes(estimate.budget_bytes)} by {over} ({_parts(estimate)})."
+        + levers
     )
 
 
@@ -483,14 +521,15 @@ def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
     return None
 
 
-def _no_fit_message(graph, meshes: Sequence[MeshSpec], budget, slots) -> str:
-    params = sum(t.nbytes for t in graph.params())
-    devices = meshes[0].device_count if meshes else 1
-    floor = params * (1 + slots) / devices
+def _no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
+    estimate = no_fit.best.estimate
+    levers = "; ".join(estimate.levers) or "no rematerialization to offer"
     return (
-        f"No plan fits a per-device budget of {format_bytes(budget or 0)} on "
-        f"{', '.join(m.describe() for m in meshes)}. Parameters and optimizer "
-        f"state alone need at least {format_bytes(floor)} per device "
-        f"when cut {devices} ways ({format_bytes(params)} of parameters). Raise "
-        "the budget or add devices."
+        f"No plan fits the per-device budget of "
+        f"{format_bytes(estimate.budget_bytes or 0)} (of which plans may fill "
+        f"{format_bytes(usable_budget(estimate.budget_bytes or 0))}, the rest "
+        f"kept for the estimate's error): the least peak found, on "
+        f"{mesh.describe()}, is {format_bytes(estimate.peak_bytes)}, over by "
+        f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "
+        f"{levers}). It would fit with {' or '.join(no_fit.suggestions)}."
     )

@@ -7,7 +7,8 @@ axes shard it, a product over axes; it is linearised with one-hot "pattern"
 variables `z[t, S]` over the subsets `S` of mesh axes (meshes have few axes),
 and costs that need "event fires on axis a AND tensor is cut by S" use the
 standard AND linearisation. The objective is communication bytes plus the
-penalty for replicated heavy math; the memory budget is a constraint.
+penalty for replicated heavy math; the memory budget, over the whole peak
+of a step (`peak_budget.py`), is a constraint.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from keras_autoshard.planner.cost_model import (
     table_exchanges,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
+from keras_autoshard.planner.peak_budget import add_peak_budget
 from keras_autoshard.planner.symmetry import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -402,27 +404,6 @@ class _Program:
                     row[x] = -1.0
                 self.lp.add_row(row, upper=0.0)
 
-    def add_memory_budget(self) -> None:
-        """Parameters + optimizer state per device within the budget."""
-        budget = self.options.memory_budget_bytes
-        if budget is None:
-            return
-        constant, row = 0.0, {}
-        for tensor in self.graph.tensors:
-            if tensor.kind not in ("param", "state"):
-                continue
-            copies = 1 + (self.options.optimizer_slots if tensor.kind == "param" else 0)
-            tensor_constant, terms = self.bytes_terms(tensor, fsdp=True, scale=copies)
-            constant += tensor_constant
-            for var, coefficient in terms.items():
-                row[var] = row.get(var, 0.0) + coefficient
-        if constant > budget:
-            raise InfeasibleError(
-                f"Even fully sharded, {constant / 2**20:.1f} MiB per device cannot "
-                "be cut (replicated parts)."
-            )
-        self.lp.add_row(row, upper=budget - constant)
-
     def add_batch_preference(self) -> None:
         """Reward each split of an input's batch dim over a data axis by more
         than every other cost together: any plan that splits the batch beats
@@ -456,14 +437,17 @@ def search(
     axes: tuple[MeshAxis, ...],
     options: PlannerOptions,
     pins: Pins | None = None,
+    remat: frozenset[str] = frozenset(),
 ) -> Assignment:
-    """The `Assignment` of least cost that fits the memory budget.
+    """The `Assignment` of least cost whose peak fits the memory budget.
 
     Args:
         graph: The model's axis graph.
         axes: Mesh axes of size > 1.
         options: Budget and cost knobs.
         pins: Choices fixed by user rules.
+        remat: Names of the top-level layers rematerialized (what the
+            budget counts as kept for the backward pass).
 
     Returns:
         The optimal `Assignment` (raises `InfeasibleError` if none fits).
@@ -474,7 +458,9 @@ def search(
     attempts = [("forced", True), ("preferred", True), ("preferred", False)]
     for position, (batch_split, symmetric) in enumerate(attempts):
         try:
-            return _solve(graph, axes, options, pins or Pins(), batch_split, symmetric)
+            return _solve(
+                graph, axes, options, pins or Pins(), batch_split, symmetric, remat
+            )
         except InfeasibleError as error:
             if position == len(attempts) - 1:
                 raise
@@ -487,7 +473,9 @@ def search(
     raise AssertionError("unreachable")
 
 
-def _solve(graph, axes, options, pins, batch_split, symmetric=True) -> Assignment:
+def _solve(
+    graph, axes, options, pins, batch_split, symmetric=True, remat=frozenset()
+) -> Assignment:
     program = _Program(graph, axes, options, pins, batch_split)
     program.add_class_vars()
     program.add_fsdp_vars()
@@ -498,7 +486,7 @@ def _solve(graph, axes, options, pins, batch_split, symmetric=True) -> Assignmen
     program.add_communication()
     program.add_table_exchanges()
     program.add_replicated_math_penalty()
-    program.add_memory_budget()
+    add_peak_budget(program, remat)
     program.add_batch_preference()
     logger.info(
         "Planning MILP: %d variables, %d constraints",

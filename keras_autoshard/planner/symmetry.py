@@ -25,6 +25,27 @@ from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
 _INDEXED_SCOPE = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 
 
+def scope_stem(scope: str) -> str:
+    """The name a layer scope shares with its copies: `transformer_layer_`
+    for `transformer_layer_3`; Keras names copies `block`, `block_1`,
+    `block_2` (the first has no index), so `block_` for `block`.
+
+    Args:
+        scope: A layer scope name.
+
+    Returns:
+        Its stem.
+    """
+    match = _INDEXED_SCOPE.match(scope)
+    return match.group("stem") if match else f"{scope}_"
+
+
+def scope_index(scope: str) -> int:
+    """The copy index of a layer scope (-1 for an unnumbered first copy)."""
+    match = _INDEXED_SCOPE.match(scope)
+    return int(match.group("index")) if match else -1
+
+
 def repeated_blocks(graph: AxisGraph) -> list[list[list[TensorNode]]]:
     """The graph's repeated blocks.
 
@@ -45,14 +66,7 @@ def repeated_blocks(graph: AxisGraph) -> list[list[list[TensorNode]]]:
         head, _, rest = tensor.name.partition("/")
         if "/" not in rest:
             continue
-        match = _INDEXED_SCOPE.match(head)
-        # Keras names copies `block`, `block_1`, `block_2`: the first has no
-        # index.
-        stem, index = (
-            (match.group("stem"), int(match.group("index")))
-            if match
-            else (f"{head}_", -1)
-        )
+        stem, index = scope_stem(head), scope_index(head)
         by_scope[(stem, tensor.kind)][index][rest] = tensor
     families = []
     for blocks in by_scope.values():

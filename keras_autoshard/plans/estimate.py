@@ -40,6 +40,9 @@ class PlanEstimate:
         step_time_s: Estimated step time under the profile (compute at its
             peak FLOP/s plus communication at each axis's bandwidth, no
             overlap), or `None` without a profile.
+        recompute_flops: Of `compute_flops`, those the rematerialized
+            layers spend recomputing their forward pass.
+        levers: The memory levers chosen, in words.
 
     Example:
 
@@ -61,6 +64,8 @@ class PlanEstimate:
     hardware: str | None = None
     compute_flops: float = 0.0
     step_time_s: float | None = None
+    recompute_flops: float = 0.0
+    levers: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -91,6 +96,8 @@ class PlanEstimate:
         data["hardware"] = self.hardware
         data["compute_flops"] = float(self.compute_flops)
         data["step_time_s"] = self.step_time_s
+        data["recompute_flops"] = float(self.recompute_flops)
+        data["levers"] = list(self.levers)
         return data
 
     @classmethod
@@ -104,6 +111,8 @@ class PlanEstimate:
             hardware=data.get("hardware"),
             compute_flops=float(data.get("compute_flops") or 0.0),
             step_time_s=data.get("step_time_s"),
+            recompute_flops=float(data.get("recompute_flops") or 0.0),
+            levers=tuple(data.get("levers") or ()),
         )
 
     def lines(self) -> list[tuple[str, int]]:

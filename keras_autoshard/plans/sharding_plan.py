@@ -40,6 +40,8 @@ class ShardingPlan:
             vocabularies that do not divide, ...).
         estimate: The planner's per-device memory and per-step communication
             figures (`PlanEstimate`), or `None` for a plan written by hand.
+        rematerialize: Names of the layers whose calls the backward pass
+            recomputes (applied through `keras.RematScope`).
 
     Example:
 
@@ -64,6 +66,7 @@ class ShardingPlan:
     activations: tuple[ActivationLayout, ...] = ()
     notes: tuple[str, ...] = ()
     estimate: PlanEstimate | None = dataclasses.field(default=None, compare=False)
+    rematerialize: tuple[str, ...] = ()
 
     def __post_init__(self):
         variables = tuple(sorted(self.variables, key=lambda v: v.path))
@@ -156,6 +159,7 @@ class ShardingPlan:
                 {"path": a.path, "spec": list(a.spec)} for a in self.activations
             ],
             "notes": list(self.notes),
+            "rematerialize": list(self.rematerialize),
             "estimate": None if self.estimate is None else self.estimate.to_dict(),
         }
 
@@ -200,6 +204,7 @@ class ShardingPlan:
             batch_axis=data.get("batch_axis"),
             activations=activations,
             notes=tuple(data.get("notes", ())),
+            rematerialize=tuple(data.get("rematerialize") or ()),
             estimate=(
                 PlanEstimate.from_dict(data["estimate"])
                 if data.get("estimate")

@@ -7,6 +7,8 @@ without running them.
 
 from __future__ import annotations
 
+import re
+
 import jax
 from keras.src.backend.jax.trainer import _distribute_data
 from keras.src.trainers.data_adapters import data_adapter_utils
@@ -28,13 +30,33 @@ _MEMORY_FIELDS = {
 }
 
 
-def inspect_compiled(model, distribution, sample_batch) -> CompiledReport:
+# XLA:CPU compiles for throughput: its default scheduler ignores memory, and
+# CSE merges a rematerialized call's recomputation back into the forward pass
+# (the optimization barriers JAX places are removed before CSE on CPU), so a
+# CPU program keeps every activation whether or not layers are
+# rematerialized. Accelerators schedule for memory and keep the barriers
+# until scheduling. These compiler options make an XLA:CPU program do the
+# same (measured: a jax.checkpoint'ed 8-layer MLP's gradient needs 90 MiB of
+# temporaries with the defaults, 22 MiB with these, 92 MiB without
+# checkpointing either way).
+MEMORY_SCHEDULE_ON_CPU = {
+    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+    "xla_disable_hlo_passes": "cse",
+}
+
+
+def inspect_compiled(
+    model, distribution, sample_batch, compiler_options=None
+) -> CompiledReport:
     """Compile one train step and one forward step and report what XLA made.
 
     Args:
         model: A compiled `keras.Model` created under `distribution.scope()`.
         distribution: The active `keras.distribution.Distribution`.
         sample_batch: `(x, y)` or `(x, y, sample_weight)` with the global batch.
+        compiler_options: XLA options for these compilations (e.g.
+            `MEMORY_SCHEDULE_ON_CPU`, to read on simulated CPU devices the
+            memory a rematerialized model takes on an accelerator).
 
     Returns:
         A `CompiledReport`.
@@ -61,8 +83,8 @@ def inspect_compiled(model, distribution, sample_batch) -> CompiledReport:
     with distribution.scope():
         model._symbolic_build(data_batch=data)
         distributed = _distribute_data(data)
-        train = _compile_train_step(model, distributed)
-        forward = _compile_forward_step(model, distributed[0])
+        train = _compile_train_step(model, distributed, compiler_options)
+        forward = _compile_forward_step(model, distributed[0], compiler_options)
     device_ids = [d.id for d in _mesh_devices(distribution)]
     mesh = MeshSpec(
         tuple(distribution.device_mesh.shape), distribution.device_mesh.axis_names
@@ -80,7 +102,11 @@ def inspect_compiled(model, distribution, sample_batch) -> CompiledReport:
     )
 
 
-def _compile_train_step(model, data):
+# An HLO instruction that is a matrix product: `%dot.3 = f32[..] dot(...)`.
+_MATMUL = re.compile(r"= [^=]*? (?:dot|convolution)\(")
+
+
+def _compile_train_step(model, data, compiler_options=None):
     state = model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,
@@ -92,10 +118,10 @@ def _compile_train_step(model, data):
         donate_argnums=0,
         out_shardings=(None, model._get_state_sharding_spec()),
     )
-    return step.lower(state, data).compile()
+    return step.lower(state, data).compile(compiler_options=compiler_options)
 
 
-def _compile_forward_step(model, x):
+def _compile_forward_step(model, x, compiler_options=None):
     trainable, non_trainable, _, _ = model._get_state_sharding_spec()
 
     def predict_step(state, data):
@@ -108,7 +134,7 @@ def _compile_forward_step(model, x):
         donate_argnums=0,
         out_shardings=(None, (trainable, non_trainable)),
     )
-    return step.lower(state, (x,)).compile()
+    return step.lower(state, (x,)).compile(compiler_options=compiler_options)
 
 
 def _step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
@@ -119,7 +145,12 @@ def _step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
         for key, attr in _MEMORY_FIELDS.items()
         if hasattr(analysis, attr)
     }
-    return CompiledStep(name=name, collectives=tuple(collectives), memory=memory)
+    return CompiledStep(
+        name=name,
+        collectives=tuple(collectives),
+        memory=memory,
+        matmuls=len(_MATMUL.findall(compiled.as_text())),
+    )
 
 
 def _mesh_devices(distribution):

@@ -53,11 +53,15 @@ class CompiledStep:
         collectives: Every collective in the optimized HLO.
         memory: XLA memory analysis in bytes per device (argument, output,
             temp, alias, generated code).
+        matmuls: Matrix products (`dot` and `convolution` instructions) in
+            the optimized HLO: a rematerialized layer's products appear
+            twice, once in the forward pass and once recomputed.
     """
 
     name: str
     collectives: tuple[CollectiveOp, ...]
     memory: dict[str, int]
+    matmuls: int = 0
 
     def select(
         self, kind: str | None = None, mesh_axes: Sequence[str] | None = None

@@ -37,6 +37,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
     check_batch_sizes,
     trainer_call_asking,
 )
+from keras_autoshard.apply.remat import rematerialize
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.plans.mesh import (
     DATA_AXIS,
@@ -196,6 +197,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         self._batch_dim_name = plan.batch_axis
         self._applied = applied
         relayout_model(model, applied)
+        rematerialize(model, plan)
         self._warn_if_batch_kept_whole(plan)
 
     def _warn_if_batch_kept_whole(self, plan: ShardingPlan) -> None:

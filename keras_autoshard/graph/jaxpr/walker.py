@@ -168,6 +168,8 @@ class Walker:
             for eqn in jaxpr.eqns:
                 ins = [self._read(env, atom) for atom in eqn.invars]
                 walked = Eqn(eqn, ins, multiplicity, self.builder, self)
+                if self._depth == 1:
+                    self.builder.layers.enter(str(eqn.source_info.name_stack))
                 outs = self._apply(walked)
                 self.builder.record_residuals(walked, outs)
                 env.update(zip(eqn.outvars, outs))

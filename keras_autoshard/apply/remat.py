@@ -1,0 +1,97 @@
+"""Rematerialize the layers a plan names (JAX).
+
+A rematerialized layer runs its call under `jax.checkpoint`: the backward
+pass recomputes the call from its inputs instead of keeping its
+intermediates. Keras's own `keras.RematScope(mode="list_of_layers")` cannot
+be used for this on JAX (Keras 3.15): it checkpoints the call with every
+argument traced, so a layer whose call takes `training` (every KerasHub
+transformer layer) fails with a boolean conversion error on the traced
+flag. `rematerialize` therefore gives each named layer of the model a
+checkpointed `call` of its own (an attribute of that layer object; no Keras
+class or module is changed) that traces only the array arguments and keeps
+Python values (`training`, `None`, flags) static.
+
+A layer whose call draws random numbers while training (dropout with a
+non-zero rate) cannot be rematerialized this way: the seed update inside the
+checkpoint would escape it. Such a layer raises when called.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import keras
+
+from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
+
+
+def rematerialize(model: keras.Model, plan: ShardingPlan | Sequence[str]) -> None:
+    """Checkpoint the calls of the layers `plan.rematerialize` names.
+
+    `AutoShardDistribution` and `TensorParallel` call this themselves; call
+    it after building a model under a `PlanDistribution`.
+
+    Args:
+        model: The built model.
+        plan: A `ShardingPlan`, or the layer names themselves.
+
+    Raises:
+        PlanError: When a name matches no layer of the model (a renamed
+            layer must not silently lose its rematerialization), or on a
+            backend other than JAX.
+
+    Example:
+
+    ```python
+    with PlanDistribution(plan).scope():
+        model = build_model()
+    keras_autoshard.rematerialize(model, plan)
+    ```
+    """
+    names = plan.rematerialize if isinstance(plan, ShardingPlan) else tuple(plan)
+    if not names:
+        return
+    if keras.backend.backend() != "jax":
+        raise PlanError(
+            f"The plan rematerializes layers {list(names)}, which only the JAX "
+            f"backend applies (Keras runs on {keras.backend.backend()!r}). Plan "
+            "with a larger memory budget, or on JAX."
+        )
+    by_name = {layer.name: layer for layer in model._flatten_layers()}
+    missing = sorted(set(names) - set(by_name))
+    if missing:
+        raise PlanError(
+            f"The plan rematerializes layers {missing}, which the model does not "
+            f"have (its layers include {sorted(by_name)[:8]}). Plan this model "
+            "again."
+        )
+    for name in names:
+        layer = by_name[name]
+        if not getattr(layer.call, "_keras_autoshard_checkpointed", False):
+            layer.call = _checkpointed(layer.call)
+
+
+def _checkpointed(call):
+    import jax
+
+    @functools.wraps(call)
+    def checkpointed_call(*args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+
+        def run(*arrays):
+            filled = list(leaves)
+            for index, array in zip(traced, arrays):
+                filled[index] = array
+            inner_args, inner_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+            return call(*inner_args, **inner_kwargs)
+
+        return jax.checkpoint(run)(*(leaves[i] for i in traced))
+
+    checkpointed_call._keras_autoshard_checkpointed = True
+    return checkpointed_call
+
+
+def _is_array(value) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype")

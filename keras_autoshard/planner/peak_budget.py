@@ -1,0 +1,137 @@
+"""The memory budget as a constraint of the search: the whole peak.
+
+`memory_model.estimate_memory` says what a device holds at the peak of a
+step under a given sharding; this module writes the same sum as one linear
+row of the search's program, so that the search only returns plans whose
+peak fits:
+
+- every variable's shard, and for trainable ones their gradient and
+  optimizer slots (FSDP storage cuts included);
+- the activations kept for the backward pass under the chosen
+  rematerialization, each cut like its tensor;
+- the inputs (cut like them) and targets (cut by the data axes);
+- the loss's buffers (twice the outputs) and one variable `T` at least as
+  large as each candidate transient (three times each of the largest batch
+  activations, twice each of the largest weight-derived ones, each
+  backward workspace).
+
+`T` is bounded by the largest activation of each set of axis classes (any
+sharding shrinks tensors of one class set alike, so that one is the set's
+largest on every device too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from keras_autoshard.planner.cost_model import widening
+from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.remat import kept_terms
+
+# Cost per byte of peak when the search minimises the peak (no plan fits):
+# well above any communication byte.
+PEAK_WEIGHT = 1e3
+
+
+def add_peak_budget(program, remat: frozenset[str]) -> None:
+    """Add the row `peak per device <= budget` to `program`.
+
+    Args:
+        program: The search's `_Program` (its graph, options, mesh axes,
+            linear program and `bytes_terms`).
+        remat: Names of the top-level layers rematerialized.
+
+    With no budget and `options.minimize_peak`, the peak becomes the
+    first term of the objective instead (what the planner reports when no
+    plan fits).
+
+    Raises:
+        InfeasibleError: When the parts no sharding can cut exceed the
+            budget alone.
+    """
+    options = program.options
+    budget = options.memory_budget_bytes
+    if budget is None and not options.minimize_peak:
+        return
+    graph = program.graph
+    half = options.platform == "cpu"
+    row: dict[int, float] = {}
+    constant = 0.0
+
+    def add(tensor, fsdp: bool, scale: float) -> None:
+        nonlocal constant
+        fixed, terms = program.bytes_terms(tensor, fsdp=fsdp, scale=scale)
+        constant += fixed
+        for var, coefficient in terms.items():
+            row[var] = row.get(var, 0.0) + coefficient
+
+    train = options.job == "train"
+    for tensor in graph.tensors:
+        if tensor.kind == "state":
+            add(tensor, True, 1.0)
+        elif tensor.kind == "param":
+            add(tensor, True, 2.0 + options.optimizer_slots if train else 1.0)
+        elif tensor.kind == "input":
+            add(tensor, False, 1.0)
+    if train:
+        constant += graph.other_residual_bytes
+        for tid, factor in kept_terms(graph, remat):
+            tensor = graph.tensors[tid]
+            add(tensor, False, factor * widening(tensor, half))
+        data_ways = math.prod(a.size for a in program.axes if a.data_only)
+        for tid in graph.outputs:
+            tensor = graph.tensors[tid]
+            if tensor.requires_grad:
+                constant += tensor.nbytes / data_ways
+                add(tensor, False, 2.0 * widening(tensor, half))
+    transient = program.lp.add_var(upper=np.inf)
+    row[transient] = row.get(transient, 0.0) + 1.0
+    for tensor, factor in _transient_candidates(graph, train, half):
+        fixed, terms = program.bytes_terms(tensor, fsdp=False, scale=factor)
+        bound = {transient: 1.0}
+        for var, coefficient in terms.items():
+            bound[var] = bound.get(var, 0.0) - coefficient
+        program.lp.add_row(bound, lower=fixed)
+    if budget is None:
+        # Minimise the peak first, communication second.
+        ceiling = sum(t.nbytes for t in graph.tensors) * (4.0 + options.optimizer_slots)
+        peak = program.lp.add_var(cost=PEAK_WEIGHT, upper=ceiling)
+        row[peak] = -1.0
+        program.lp.add_row(row, upper=-constant)
+        return
+    if constant > budget:
+        raise InfeasibleError(
+            f"Even fully sharded, {constant / 2**20:.1f} MiB per device cannot "
+            "be cut (replicated parts)."
+        )
+    program.lp.add_row(row, upper=budget - constant)
+
+
+def _transient_candidates(graph, train: bool, half: bool):
+    """(tensor, buffers of its size) that may be the largest transient."""
+    from keras_autoshard.planner.search import batch_carrying_classes
+
+    batch_classes = batch_carrying_classes(graph)
+    outputs = set(graph.outputs)
+    # Tensors cut by the same classes shrink by the same factor under any
+    # sharding, so the largest of each class set bounds all of that set.
+    largest: dict[frozenset, tuple[float, int]] = {}
+    for tensor in graph.tensors:
+        if tensor.kind != "activation" or tensor.id in outputs:
+            continue
+        carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
+        factor = (3.0 if carries_batch else 2.0) if train else 2.0
+        factor *= widening(tensor, half)
+        key = frozenset(c for c in tensor.dim_classes if c is not None)
+        size = tensor.nbytes * factor
+        if key not in largest or size > largest[key][0]:
+            largest[key] = (size, tensor.id)
+    chosen = []
+    for size, tid in sorted(largest.values(), key=lambda item: (-item[0], item[1])):
+        tensor = graph.tensors[tid]
+        chosen.append((tensor, size / tensor.nbytes))
+    if train:
+        chosen += [(graph.tensors[t], f) for t, f in graph.workspaces]
+    return chosen

@@ -1,0 +1,111 @@
+"""Plans that fit: under a budget the sharding alone cannot meet, the planner
+rematerializes repeated layers, and the compiled program keeps its word.
+
+The budget is 60 % of the plan's own peak without a budget. The compiled
+memory is read with XLA:CPU scheduling for memory and keeping the
+recomputation (`MEMORY_SCHEDULE_ON_CPU`), as accelerators do; with its
+defaults XLA:CPU merges the recomputation away. The planned
+peak must fit it; the compiled train step's peak (XLA memory analysis) must
+fit it too; the optimized HLO must hold more matrix products than the same
+model without rematerialization (the recomputed forward pass); and 5 Adam
+steps must match one device within 1e-5. The estimate with
+rematerialization must also agree with the compiled peak within ±15 %.
+"""
+
+import keras
+import pytest
+
+from benchmarks import zoo
+from keras_autoshard import (
+    MeshSpec,
+    PlanDistribution,
+    names_replayed_after,
+    plan,
+    rematerialize,
+)
+from keras_autoshard.errors import PlanError
+from keras_autoshard.report.compiled_program import (
+    MEMORY_SCHEDULE_ON_CPU,
+    inspect_compiled,
+)
+from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from tests.parity import check_parity
+
+MESH = MeshSpec((2, 4), ("batch", "model"))
+TOLERANCE = 0.15
+
+
+def _compiled(sharding_plan, build, x, y):
+    distribution = PlanDistribution(sharding_plan)
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        rematerialize(model, sharding_plan)
+        model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    return inspect_compiled(
+        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    ).train_step
+
+
+def _rematerialized_under(sharding_plan, build):
+    """`build`, rematerializing as planned when built under a distribution
+    (the sharded model of `check_parity`; the one-device reference is not)."""
+
+    def build_model():
+        model = build()
+        if keras.distribution.distribution() is not None:
+            rematerialize(model, sharding_plan)
+        return model
+
+    return build_model
+
+
+@pytest.mark.parametrize("name, share", [("llama", 0.6), ("subclassed", 0.7)])
+def test_a_budget_that_needs_rematerialization_is_met_by_the_compiled_step(name, share):
+    build, batch = zoo.ZOO[name]
+    x = batch()
+    y = zoo.random_targets(build, x)
+    free = plan(build, MESH, x)
+    budget = int(share * free.estimate.peak_bytes)
+    fitted = plan(build, MESH, x, memory_budget=budget)
+
+    assert fitted.rematerialize, fitted.notes
+    assert fitted.estimate.peak_bytes <= budget
+    assert fitted.estimate.levers and "rematerialize" in fitted.estimate.levers[0]
+    assert fitted.estimate.recompute_flops > 0
+    assert any("Chosen to fit: rematerialize" in note for note in fitted.notes)
+
+    without = _compiled(free, build, x, y)
+    with_remat = _compiled(fitted, build, x, y)
+    compiled = compiled_peak_bytes(with_remat.memory)
+    assert compiled <= budget, (name, compiled, budget, fitted.estimate.to_dict())
+    ratio = fitted.estimate.peak_bytes / compiled
+    assert abs(ratio - 1) <= TOLERANCE, (name, ratio, fitted.estimate.to_dict())
+    # The recomputed forward pass: more matrix products than without.
+    assert with_remat.matmuls > without.matmuls, (with_remat.matmuls, without.matmuls)
+
+    check_parity(
+        _rematerialized_under(fitted, build), PlanDistribution(fitted), x, y, steps=5
+    )
+
+
+def test_a_budget_nothing_meets_says_by_how_much_and_what_would_fit():
+    build, batch = zoo.ZOO["llama"]
+    x = batch()
+    free = plan(build, MESH, x)
+    with pytest.raises(PlanError) as raised:
+        plan(build, MESH, x, memory_budget=int(0.2 * free.estimate.peak_bytes))
+    message = str(raised.value)
+    assert "over by" in message and "devices instead of 8" in message
+    assert "gradient accumulation" in message or "state alone" in message
+
+
+def test_inference_plans_budget_no_gradients_nor_optimizer_state():
+    build, batch = zoo.ZOO["llama"]
+    x = batch()
+    inference = plan(build, MESH, x, job="inference")
+    train = plan(build, MESH, x)
+    estimate = inference.estimate
+    assert estimate.job == "inference"
+    assert estimate.gradient_bytes == estimate.optimizer_bytes == 0
+    assert estimate.activation_bytes == 0
+    assert estimate.peak_bytes < train.estimate.peak_bytes
