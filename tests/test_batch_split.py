@@ -142,7 +142,7 @@ def test_a_memory_budget_that_is_not_a_size_is_a_clear_error(budget):
 
 
 def test_a_one_kib_budget_string_is_a_budget_error_not_a_type_error():
-    with pytest.raises(ka.PlanError, match="No plan fits a per-device budget of"):
+    with pytest.raises(ka.PlanError, match="No plan fits the per-device budget of"):
         ka.plan(
             token_flattening_model,
             MESH_2x4,

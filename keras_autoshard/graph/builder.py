@@ -261,6 +261,14 @@ class _GraphBuilder:
             ):
                 continue  # constants fold; parameters and inputs are resident
             root_view = self.view_of.get(operand, operand)
+            producer = self.layers.producer
+            if producer.get(root_view) != producer.get(tid):
+                # Made by another layer call: kept as it is (a fusion does
+                # not reach back through the residual stream of every
+                # earlier layer).
+                if root_view not in roots:
+                    roots.append(root_view)
+                continue
             for root in self._fusion_roots(root_view, memo):
                 if root not in roots:
                     roots.append(root)

@@ -167,8 +167,9 @@ def choose_levers(
     peak_options = dataclasses.replace(
         options, memory_budget_bytes=None, minimize_peak=True
     )
-    assignment = search(graph, axes, peak_options, pins, frozenset(choices[-1]))
-    best = _candidate(graph, axes, mesh, options, assignment, choices[-1])
+    remat = choices[-1]
+    assignment = search(graph, axes, peak_options, pins, frozenset(remat))
+    best = _candidate(graph, axes, mesh, options, assignment, remat)
     if _fits(best):
         return _fewest_layers(graph, axes, mesh, options, best, choices)
     raise NoFit(best, _suggestions(graph, mesh, best.estimate))

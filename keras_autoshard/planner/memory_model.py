@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import (
     Assignment,
     MeshAxis,
@@ -35,7 +36,6 @@ from keras_autoshard.planner.cost_model import (
     local_bytes,
     widening,
 )
-from keras_autoshard.planner.search import batch_carrying_classes
 from keras_autoshard.plans.estimate import PlanEstimate
 
 JOBS = ("train", "inference")

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import widening
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.remat import kept_terms
@@ -33,6 +34,7 @@ from keras_autoshard.planner.remat import kept_terms
 # Cost per byte of peak when the search minimises the peak (no plan fits):
 # well above any communication byte.
 PEAK_WEIGHT = 1e3
+MIB = 2.0**20
 
 
 def add_peak_budget(program, remat: frozenset[str]) -> None:
@@ -95,11 +97,14 @@ def add_peak_budget(program, remat: frozenset[str]) -> None:
             bound[var] = bound.get(var, 0.0) - coefficient
         program.lp.add_row(bound, lower=fixed)
     if budget is None:
-        # Minimise the peak first, communication second.
+        # Minimise the peak first, communication second. The peak is counted
+        # in MiB: in bytes, its coefficients at real sizes (1e15) leave the
+        # solver's tolerances behind.
+        scaled = {var: coefficient / MIB for var, coefficient in row.items()}
         ceiling = sum(t.nbytes for t in graph.tensors) * (4.0 + options.optimizer_slots)
-        peak = program.lp.add_var(cost=PEAK_WEIGHT, upper=ceiling)
-        row[peak] = -1.0
-        program.lp.add_row(row, upper=-constant)
+        peak = program.lp.add_var(cost=PEAK_WEIGHT * MIB, upper=ceiling / MIB)
+        scaled[peak] = -1.0
+        program.lp.add_row(scaled, upper=-constant / MIB)
         return
     if constant > budget:
         raise InfeasibleError(
@@ -111,7 +116,6 @@ def add_peak_budget(program, remat: frozenset[str]) -> None:
 
 def _transient_candidates(graph, train: bool, half: bool):
     """(tensor, buffers of its size) that may be the largest transient."""
-    from keras_autoshard.planner.search import batch_carrying_classes
 
     batch_classes = batch_carrying_classes(graph)
     outputs = set(graph.outputs)

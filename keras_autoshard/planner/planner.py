@@ -241,7 +241,9 @@ def plan_with_cost(
                 "(e.g. a kernel and the activation it makes) are not pinned to "
                 f"conflicting axes. Rules given: {sorted(rules or {})}."
             )
-        raise PlanError(f"No plan on {', '.join(m.describe() for m in meshes)}.")
+        raise PlanError(
+            f"No plan on {', '.join(m.describe() for m in meshes)}: {' '.join(reasons)}"
+        )
     sharding_plan, cost = best
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
 

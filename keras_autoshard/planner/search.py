@@ -20,6 +20,10 @@ import math
 from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
+from keras_autoshard.planner.batch_classes import batch_carrying_classes
+from keras_autoshard.planner.batch_classes import (
+    input_batch_classes as batch_input_classes,
+)
 from keras_autoshard.planner.cost_model import (
     Assignment,
     MeshAxis,
@@ -75,7 +79,7 @@ class _Program:
     # ------------------------------------------------------------ variables
     def add_class_vars(self) -> None:
         eligible = _eligible_classes(self.graph)
-        input_batch_classes = _batch_classes(self.graph)
+        input_batch_classes = batch_input_classes(self.graph)
         batch_classes = batch_carrying_classes(self.graph)
         for cls in self.graph.classes:
             if cls.id not in eligible or cls.unshardable_reason is not None:
@@ -459,7 +463,13 @@ def search(
     for position, (batch_split, symmetric) in enumerate(attempts):
         try:
             return _solve(
-                graph, axes, options, pins or Pins(), batch_split, symmetric, remat
+                graph,
+                axes,
+                options,
+                pins or Pins(),
+                batch_split,
+                symmetric,
+                remat,
             )
         except InfeasibleError as error:
             if position == len(attempts) - 1:
@@ -474,7 +484,13 @@ def search(
 
 
 def _solve(
-    graph, axes, options, pins, batch_split, symmetric=True, remat=frozenset()
+    graph,
+    axes,
+    options,
+    pins,
+    batch_split,
+    symmetric=True,
+    remat=frozenset(),
 ) -> Assignment:
     program = _Program(graph, axes, options, pins, batch_split)
     program.add_class_vars()
@@ -511,38 +527,6 @@ def _eligible_classes(graph: AxisGraph) -> set[int]:
         tensor = graph.tensors[event.tensor]
         eligible.update(c for c in tensor.dim_classes if c is not None)
     return eligible
-
-
-def _batch_classes(graph: AxisGraph) -> set[int]:
-    """Classes of the inputs' leading (batch) dimension."""
-    return {
-        t.dim_classes[0]
-        for t in graph.tensors
-        if t.kind == "input" and t.dim_classes and t.dim_classes[0] is not None
-    }
-
-
-def batch_carrying_classes(graph: AxisGraph) -> set[int]:
-    """Classes that carry the batch: the inputs' leading dims and every class
-    linked to one by a reshape merge or split, slice or repeat (`b·s` tokens
-    flattened for a router, the batch split back out of them).
-
-    Args:
-        graph: The model's axis graph.
-
-    Returns:
-        Class ids a data axis may cut.
-    """
-    carrying = set(_batch_classes(graph))
-    grew = True
-    while grew:
-        grew = False
-        for edge in graph.slice_edges:
-            ends = {edge.source, edge.target}
-            if ends & carrying and not ends <= carrying:
-                carrying |= ends
-                grew = True
-    return carrying
 
 
 def _fsdp_dims(tensor: TensorNode, axis_size: int) -> list[int]:

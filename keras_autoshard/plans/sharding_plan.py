@@ -41,7 +41,8 @@ class ShardingPlan:
         estimate: The planner's per-device memory and per-step communication
             figures (`PlanEstimate`), or `None` for a plan written by hand.
         rematerialize: Names of the layers whose calls the backward pass
-            recomputes (applied through `keras.RematScope`).
+            recomputes (`keras_autoshard.rematerialize(model, plan)`;
+            `AutoShardDistribution` and `TensorParallel` apply it).
 
     Example:
 

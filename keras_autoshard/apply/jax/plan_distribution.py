@@ -58,6 +58,7 @@ class PlanDistribution(Distribution):
     dist = PlanDistribution(plan)
     with dist.scope():
         model = build_model()
+        keras_autoshard.rematerialize(model, plan)  # if plan.rematerialize
         model.compile(optimizer="adam", loss="mse")
         model.fit(x, y, epochs=1)
     ```
