@@ -6,7 +6,6 @@ import dataclasses
 import pytest
 
 import keras_autoshard as ka
-from keras_autoshard.planner.levers import HEADROOM
 from benchmarks import zoo
 from benchmarks.measure import compiled_report
 from benchmarks.reference_rules import keras_hub_megatron_plan
@@ -18,6 +17,7 @@ from keras_autoshard import (
     plan_from_rules,
 )
 from keras_autoshard.planner.planner import plan_with_cost
+from keras_autoshard.plans.estimate import HEADROOM
 
 MESHES = [
     MeshSpec((2, 4), ("batch", "model")),
@@ -139,7 +139,7 @@ def _tight_plan(name, mesh):
     Adam's two moments) 1.05 × its size cut over every device, the rest of
     the free plan's peak as it is; with the model's builder, batch and that
     budget. The budget holds the whole peak and plans fill 90 % of it
-    (`levers.HEADROOM`)."""
+    (`plans.estimate.HEADROOM`)."""
     build, x, y = _batch(name)
     free = ka.plan(build, mesh, sample_input=x)
     estimate = free.estimate

@@ -313,6 +313,8 @@ class AxisGraph:
         grouped_convs: The inputs of grouped convolutions (see
             `GroupedConv`).
         residuals: The tensors the backward pass keeps (`Kept`).
+        residuals_within_layers: The same with fusions kept within layer
+            calls (the view of a program whose layers are rematerialized).
         other_residual_bytes: Bytes kept that no tensor of the graph holds
             (intermediates of a derivative of another shape), counted whole.
         outputs: The forward pass's output tensor ids.
@@ -343,6 +345,7 @@ class AxisGraph:
     scope_outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     grouped_convs: tuple[GroupedConv, ...] = ()
     residuals: tuple[Kept, ...] = ()
+    residuals_within_layers: tuple[Kept, ...] = ()
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
     workspaces: tuple[tuple[int, float], ...] = ()

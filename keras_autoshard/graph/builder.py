@@ -82,7 +82,9 @@ from keras_autoshard.graph.jaxpr.registry import (
     handled_primitives,
 )
 from keras_autoshard.graph.jaxpr.residuals import (
+    OWN_RULE_CALLS,
     STRUCTURAL_PRIMITIVES,
+    call_residuals,
     equation_residuals,
 )
 from keras_autoshard.graph.jaxpr.walker import (
@@ -216,9 +218,19 @@ class _GraphBuilder:
         self.feeds_unfused: set[int] = set()
         # Operand -> buffers of its size its equation's backward needs at once.
         self.workspaces: dict[int, float] = {}
+        # > 0 while walking the body of a call whose own derivative rule
+        # decides its residuals (a custom JVP call): its equations keep none.
+        self.own_rule_depth = 0
 
-    def _kept_after_fusion(self) -> tuple[Kept, ...]:
+    def _kept_after_fusion(self, within_layers: bool = False) -> tuple[Kept, ...]:
         """The residuals XLA materialises.
+
+        With `within_layers`, a fusion does not reach past the call of the
+        layer that made the residual: what another layer call made is kept
+        as it is. That is the rematerialized program's view (a checkpointed
+        call's output is materialised), where the whole-program view would
+        have the last norm of a backbone recompute its input from the
+        residual stream of every layer.
 
         XLA fuses elementwise work into its consumers, in the backward pass
         too: a residual made by elementwise equations from other values and
@@ -232,7 +244,7 @@ class _GraphBuilder:
         layers: dict[tuple[int, float], set[str]] = {}
         roots_of: dict[int, tuple[int, ...]] = {}
         for (tid, scale), times in self.residuals.items():
-            roots = self._fusion_roots(tid, roots_of)
+            roots = self._fusion_roots(tid, roots_of, within_layers)
             for root in roots:
                 key = (root, scale) if root == tid else (root, 1.0)
                 kept[key] = max(kept.get(key, 0), times)
@@ -243,7 +255,7 @@ class _GraphBuilder:
         )
 
     def _fusion_roots(
-        self, tid: int, memo: dict[int, tuple[int, ...]]
+        self, tid: int, memo: dict[int, tuple[int, ...]], within_layers: bool
     ) -> tuple[int, ...]:
         """The materialised values `tid` is recomputed from (itself if it is
         materialised)."""
@@ -262,14 +274,11 @@ class _GraphBuilder:
                 continue  # constants fold; parameters and inputs are resident
             root_view = self.view_of.get(operand, operand)
             producer = self.layers.producer
-            if producer.get(root_view) != producer.get(tid):
-                # Made by another layer call: kept as it is (a fusion does
-                # not reach back through the residual stream of every
-                # earlier layer).
+            if within_layers and producer.get(root_view) != producer.get(tid):
                 if root_view not in roots:
                     roots.append(root_view)
                 continue
-            for root in self._fusion_roots(root_view, memo):
+            for root in self._fusion_roots(root_view, memo, within_layers):
                 if root not in roots:
                     roots.append(root)
         memo[tid] = tuple(roots)
@@ -293,13 +302,18 @@ class _GraphBuilder:
             # folds it into the program's constants, nothing is kept.
             self.constant_like.update(outs)
             return
+        if self.own_rule_depth:
+            return
         grads = [self.requires_grad(t) for t in eqn.ins]
-        found = equation_residuals(
-            eqn.eqn.primitive,
-            eqn.params,
-            [atom.aval for atom in eqn.eqn.invars],
-            grads,
-        )
+        if name in OWN_RULE_CALLS:
+            found = call_residuals(eqn.eqn, grads)
+        else:
+            found = equation_residuals(
+                eqn.eqn.primitive,
+                eqn.params,
+                [atom.aval for atom in eqn.eqn.invars],
+                grads,
+            )
         for residual in found:
             if residual.side == "other":
                 self.other_residual_bytes += residual.nbytes * eqn.multiplicity
@@ -464,6 +478,7 @@ class _GraphBuilder:
             ),
             grouped_convs=tuple(self.grouped_convs),
             residuals=self._kept_after_fusion(),
+            residuals_within_layers=self._kept_after_fusion(within_layers=True),
             workspaces=tuple(sorted(self.workspaces.items())),
             other_residual_bytes=self.other_residual_bytes,
             tensor_layers=self.layers.scopes(len(self.tensors)),

@@ -40,16 +40,10 @@ from keras_autoshard.planner.memory_model import (
 )
 from keras_autoshard.planner.remat import remat_families
 from keras_autoshard.planner.search import Pins, search
-from keras_autoshard.plans.estimate import PlanEstimate
+from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
 from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
 from keras_autoshard.plans.plan_table import format_bytes
-
-# Share of the budget the estimate must leave free: the estimate agrees with
-# the compiled program's peak within about 10 % (measured on the test zoo,
-# `tests/test_memory_estimate.py`, `tests/test_remat_fit.py`), so a plan
-# estimated within 90 % of the budget compiles within it.
-HEADROOM = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +55,14 @@ class Candidate:
         remat: Names of the rematerialized layers, in call order.
         cost: Its communication and state bytes (`cost_model.evaluate`).
         estimate: The full per-device estimate, levers listed.
+        micro_batches: Gradient accumulation parts (1: none).
     """
 
     assignment: Assignment
     remat: tuple[str, ...]
     cost: PlanCost
     estimate: PlanEstimate
+    micro_batches: int = 1
 
 
 class NoFit(Exception):
@@ -92,11 +88,6 @@ class NoFit(Exception):
         return self.best.estimate.peak_bytes - usable_budget(
             self.best.estimate.budget_bytes or 0
         )
-
-
-def usable_budget(budget: int) -> int:
-    """The part of a budget a plan's estimate may fill (`HEADROOM` kept)."""
-    return int(budget * (1 - HEADROOM))
 
 
 def remat_options(graph: AxisGraph, job: str) -> list[tuple[str, ...]]:
@@ -141,24 +132,34 @@ def choose_levers(
         InfeasibleError: When the rules cannot hold at all.
     """
     choices = remat_options(graph, options.job)
-    fitting: list[Candidate] = []
     searched = options
     if options.memory_budget_bytes is not None:
         searched = dataclasses.replace(
             options,
             memory_budget_bytes=usable_budget(options.memory_budget_bytes),
         )
-    for remat in choices:
+
+    def attempt(remat, micro_batches=1) -> Candidate | None:
         try:
-            assignment = search(graph, axes, searched, pins, frozenset(remat))
+            assignment = search(
+                graph, axes, searched, pins, frozenset(remat), micro_batches
+            )
         except InfeasibleError:
             if options.memory_budget_bytes is None:
                 raise
-            continue
-        candidate = _candidate(graph, axes, mesh, options, assignment, remat)
+            return None
+        candidate = _candidate(
+            graph, axes, mesh, options, assignment, remat, micro_batches
+        )
         if not _fits(candidate):
+            return None
+        return _fewest_layers(graph, axes, mesh, options, candidate, choices)
+
+    fitting: list[Candidate] = []
+    for remat in choices:
+        candidate = attempt(remat)
+        if candidate is None:
             continue
-        candidate = _fewest_layers(graph, axes, mesh, options, candidate, choices)
         if options.hardware is None:
             return candidate
         fitting.append(candidate)
@@ -167,21 +168,52 @@ def choose_levers(
     peak_options = dataclasses.replace(
         options, memory_budget_bytes=None, minimize_peak=True
     )
-    remat = choices[-1]
-    assignment = search(graph, axes, peak_options, pins, frozenset(remat))
-    best = _candidate(graph, axes, mesh, options, assignment, remat)
+    assignment = search(graph, axes, peak_options, pins, frozenset(choices[-1]))
+    best = _candidate(graph, axes, mesh, options, assignment, choices[-1])
     if _fits(best):
         return _fewest_layers(graph, axes, mesh, options, best, choices)
+    # Only when nothing else fits: gradient accumulation over micro-batches.
+    for micro_batches in accumulation_options(graph, axes, options.job):
+        candidate = attempt(choices[-1], micro_batches)
+        if candidate is not None:
+            return candidate
     raise NoFit(best, _suggestions(graph, mesh, best.estimate))
+
+
+def accumulation_options(
+    graph: AxisGraph, axes: tuple[MeshAxis, ...], job: str
+) -> list[int]:
+    """Micro-batch counts to try: powers of two dividing each device's
+    batch (the inputs' leading dim over the data axes).
+
+    Args:
+        graph: The model's axis graph.
+        axes: Mesh axes of size > 1.
+        job: `"train"` or `"inference"` (no accumulation).
+
+    Returns:
+        Counts in increasing order (empty when the batch cannot be split).
+    """
+    inputs = [t for t in graph.tensors if t.kind == "input" and t.shape]
+    if job != "train" or not inputs:
+        return []
+    per_device = inputs[0].shape[0] // math.prod(a.size for a in axes if a.data_only)
+    counts, parts = [], 2
+    while parts <= per_device:
+        if per_device % parts == 0:
+            counts.append(parts)
+        parts *= 2
+    return counts
 
 
 def _fits(candidate: Candidate) -> bool:
     """Whether the estimate leaves the headroom under the budget."""
-    budget = candidate.estimate.budget_bytes
-    return budget is None or candidate.estimate.peak_bytes <= usable_budget(budget)
+    return candidate.estimate.fits is not False
 
 
-def _candidate(graph, axes, mesh, options, assignment, remat) -> Candidate:
+def _candidate(
+    graph, axes, mesh, options, assignment, remat, micro_batches=1
+) -> Candidate:
     chosen = frozenset(remat)
     cost = evaluate(graph, axes, assignment, options)
     memory = estimate_memory(
@@ -192,10 +224,16 @@ def _candidate(graph, axes, mesh, options, assignment, remat) -> Candidate:
         job=options.job,
         half_as_single=options.platform == "cpu",
         remat=chosen,
+        micro_batches=micro_batches,
     )
     flops, recomputed = compute_flops_per_device(graph, axes, assignment, chosen)
     profile = options.hardware
-    by_axis = dict(cost.communication_by_axis)
+    # Per step of the whole batch: every micro-batch reduces the gradients
+    # over the data axes again.
+    by_axis = {
+        axis: moved * (micro_batches if axis in _data_axes(axes) else 1)
+        for axis, moved in cost.communication_by_axis.items()
+    }
     estimate = dataclasses.replace(
         memory,
         communication_by_axis=by_axis,
@@ -206,9 +244,9 @@ def _candidate(graph, axes, mesh, options, assignment, remat) -> Candidate:
         step_time_s=None
         if profile is None
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
-        levers=_describe_levers(remat),
+        levers=_describe_levers(remat, micro_batches),
     )
-    return Candidate(assignment, tuple(remat), cost, estimate)
+    return Candidate(assignment, tuple(remat), cost, estimate, micro_batches)
 
 
 def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
@@ -229,6 +267,7 @@ def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
             options,
             candidate.assignment,
             kept_families + family[:middle],
+            candidate.micro_batches,
         )
         if not _fits(trial):
             low = middle + 1
@@ -237,14 +276,26 @@ def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
     return best
 
 
-def _describe_levers(remat: tuple[str, ...]) -> tuple[str, ...]:
-    if not remat:
-        return ()
-    shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
-    return (
-        f"rematerialize {len(remat)} layer call(s) in the backward pass "
-        f"(jax.checkpoint, nothing saved inside): {shown}",
-    )
+def _data_axes(axes: tuple[MeshAxis, ...]) -> set[str]:
+    return {a.name for a in axes if a.data_only}
+
+
+def _describe_levers(remat: tuple[str, ...], micro_batches: int = 1) -> tuple[str, ...]:
+    levers = []
+    if remat:
+        shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
+        levers.append(
+            f"rematerialize {len(remat)} layer call(s) in the backward pass "
+            f"(jax.checkpoint, nothing saved inside): {shown}"
+        )
+    if micro_batches > 1:
+        levers.append(
+            f"gradient accumulation over {micro_batches} micro-batches: feed "
+            f"1/{micro_batches} of the planned batch per step with "
+            f"`gradient_accumulation_steps={micro_batches}` on the optimizer "
+            "(nothing else fits the whole batch)"
+        )
+    return tuple(levers)
 
 
 def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:

@@ -37,13 +37,15 @@ PEAK_WEIGHT = 1e3
 MIB = 2.0**20
 
 
-def add_peak_budget(program, remat: frozenset[str]) -> None:
+def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> None:
     """Add the row `peak per device <= budget` to `program`.
 
     Args:
         program: The search's `_Program` (its graph, options, mesh axes,
             linear program and `bytes_terms`).
         remat: Names of the top-level layers rematerialized.
+        micro_batches: Gradient accumulation parts (what the batch makes
+            shrinks by it; each trainable variable gains an accumulator).
 
     With no budget and `options.minimize_peak`, the peak becomes the
     first term of the objective instead (what the planner reports when no
@@ -70,27 +72,29 @@ def add_peak_budget(program, remat: frozenset[str]) -> None:
             row[var] = row.get(var, 0.0) + coefficient
 
     train = options.job == "train"
+    part = 1.0 / micro_batches
+    copies = 2.0 + options.optimizer_slots + (1.0 if micro_batches > 1 else 0.0)
     for tensor in graph.tensors:
         if tensor.kind == "state":
             add(tensor, True, 1.0)
         elif tensor.kind == "param":
-            add(tensor, True, 2.0 + options.optimizer_slots if train else 1.0)
+            add(tensor, True, copies if train else 1.0)
         elif tensor.kind == "input":
-            add(tensor, False, 1.0)
+            add(tensor, False, part)
     if train:
-        constant += graph.other_residual_bytes
+        constant += graph.other_residual_bytes * part
         for tid, factor in kept_terms(graph, remat):
             tensor = graph.tensors[tid]
-            add(tensor, False, factor * widening(tensor, half))
+            add(tensor, False, factor * widening(tensor, half) * part)
         data_ways = math.prod(a.size for a in program.axes if a.data_only)
         for tid in graph.outputs:
             tensor = graph.tensors[tid]
             if tensor.requires_grad:
-                constant += tensor.nbytes / data_ways
-                add(tensor, False, 2.0 * widening(tensor, half))
+                constant += tensor.nbytes / data_ways * part
+                add(tensor, False, 2.0 * widening(tensor, half) * part)
     transient = program.lp.add_var(upper=np.inf)
     row[transient] = row.get(transient, 0.0) + 1.0
-    for tensor, factor in _transient_candidates(graph, train, half):
+    for tensor, factor in _transient_candidates(graph, train, half, part):
         fixed, terms = program.bytes_terms(tensor, fsdp=False, scale=factor)
         bound = {transient: 1.0}
         for var, coefficient in terms.items():
@@ -114,7 +118,7 @@ def add_peak_budget(program, remat: frozenset[str]) -> None:
     program.lp.add_row(row, upper=budget - constant)
 
 
-def _transient_candidates(graph, train: bool, half: bool):
+def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
     """(tensor, buffers of its size) that may be the largest transient."""
 
     batch_classes = batch_carrying_classes(graph)
@@ -126,7 +130,7 @@ def _transient_candidates(graph, train: bool, half: bool):
         if tensor.kind != "activation" or tensor.id in outputs:
             continue
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
-        factor = (3.0 if carries_batch else 2.0) if train else 2.0
+        factor = (3.0 * part if carries_batch else 2.0) if train else 2.0
         factor *= widening(tensor, half)
         key = frozenset(c for c in tensor.dim_classes if c is not None)
         size = tensor.nbytes * factor
@@ -137,5 +141,5 @@ def _transient_candidates(graph, train: bool, half: bool):
         tensor = graph.tensors[tid]
         chosen.append((tensor, size / tensor.nbytes))
     if train:
-        chosen += [(graph.tensors[t], f) for t, f in graph.workspaces]
+        chosen += [(graph.tensors[t], f * part) for t, f in graph.workspaces]
     return chosen

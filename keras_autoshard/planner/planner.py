@@ -25,16 +25,12 @@ from keras_autoshard.planner.cost_model import (
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
-from keras_autoshard.planner.levers import (
-    Candidate,
-    NoFit,
-    choose_levers,
-    usable_budget,
-)
+from keras_autoshard.planner.levers import Candidate, NoFit, choose_levers
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins
+from keras_autoshard.plans.estimate import usable_budget
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.plan_table import format_bytes
@@ -307,7 +303,47 @@ def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
         chosen.estimate,
         chosen.remat,
     )
+    if chosen.micro_batches > 1:
+        sharding_plan = dataclasses.replace(
+            sharding_plan, gradient_accumulation_steps=chosen.micro_batches
+        )
+    note = _uneven_state_note(sharding_plan)
+    if note:
+        sharding_plan = dataclasses.replace(
+            sharding_plan, notes=sharding_plan.notes + (note,)
+        )
     return sharding_plan, chosen.cost
+
+
+# State per device above this multiple of an even cut is explained in a note.
+UNEVEN_STATE = 1.1
+
+
+def _uneven_state_note(sharding_plan: ShardingPlan) -> str | None:
+    """Why the variables per device exceed an even cut over every device by
+    more than `UNEVEN_STATE`: the largest variables kept whole, named."""
+    devices = sharding_plan.mesh.device_count
+    even = sharding_plan.total_bytes() / devices
+    held = sharding_plan.bytes_per_device()
+    if devices == 1 or held <= UNEVEN_STATE * even:
+        return None
+    whole = sorted(
+        (v for v in sharding_plan.variables if not any(v.spec)),
+        key=lambda v: (-v.total_bytes, v.path),
+    )[:3]
+    named = ", ".join(f"{v.path} ({format_bytes(v.total_bytes)})" for v in whole)
+    estimate = sharding_plan.estimate
+    why = (
+        "no memory budget asks for it"
+        if estimate is None or estimate.budget_bytes is None
+        else "the plan fits the budget without it"
+    )
+    return (
+        f"Variables per device are {held / even:.2f}x an even cut over "
+        f"{devices} devices ({format_bytes(held)} against "
+        f"{format_bytes(even)}): kept whole are {named}; every cut of them "
+        f"adds communication per step, and {why}."
+    )
 
 
 def _pinned_specs(variables, rules) -> dict[str, tuple]:
@@ -471,16 +507,20 @@ def _memory_note(estimate: PlanEstimate) -> str:
         return (
             f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
         )
-    if estimate.fits:
+    usable = usable_budget(estimate.budget_bytes)
+    budget = (
+        f"the budget {format_bytes(estimate.budget_bytes)} (plans fill at most "
+        f"{format_bytes(usable)} of it)"
+    )
+    if estimate.peak_bytes <= usable:
         return (
-            f"Estimated peak per device {peak} fits the budget "
-            f"{format_bytes(estimate.budget_bytes)} ({_parts(estimate)})." + levers
+            f"Estimated peak per device {peak} fits {budget} ({_parts(estimate)})."
+            + levers
         )
-    over = format_bytes(estimate.peak_bytes - estimate.budget_bytes)
+    over = format_bytes(estimate.peak_bytes - usable)
     return (
-        f"Estimated peak per device {peak} EXCEEDS the budget "
-        f"{format_bytes(estimate.budget_bytes)} by {over} ({_parts(estimate)})."
-        + levers
+        f"Estimated peak per device {peak} EXCEEDS {budget} by {over} "
+        f"({_parts(estimate)})." + levers
     )
 
 

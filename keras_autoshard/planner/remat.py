@@ -36,13 +36,11 @@ def remat_families(graph: AxisGraph) -> list[tuple[str, ...]]:
         rematerialization frees the most (global) bytes first; families
         that would free nothing are left out.
     """
-    order: dict[str, None] = {}
-    for layers in (k.layers for k in graph.residuals):
-        for layer in layers:
-            order.setdefault(layer, None)
+    keeping = {layer for k in graph.residuals for layer in k.layers}
     by_stem: dict[str, list[str]] = {}
-    for layer in order:
-        if layer:
+    # Call order: the order in which the layers made their first tensors.
+    for layer in dict.fromkeys(graph.tensor_layers):
+        if layer and layer in keeping:
             by_stem.setdefault(scope_stem(layer), []).append(layer)
     families = []
     for layers in by_stem.values():
@@ -58,7 +56,8 @@ def remat_families(graph: AxisGraph) -> list[tuple[str, ...]]:
 
 
 def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
-    """What one step keeps for the backward pass under `remat`.
+    """What one step keeps for the backward pass under `remat` (with
+    layers rematerialized, read from `graph.residuals_within_layers`).
 
     Args:
         graph: The model's axis graph.
@@ -72,7 +71,8 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
     """
     terms: KeptTerms = []
     recomputed: dict[str, KeptTerms] = {}
-    for kept in graph.residuals:
+    residuals = graph.residuals_within_layers if remat else graph.residuals
+    for kept in residuals:
         if graph.tensors[kept.tensor].kind != "activation":
             continue
         factor = kept.scale * kept.times

@@ -43,6 +43,9 @@ class ShardingPlan:
         rematerialize: Names of the layers whose calls the backward pass
             recomputes (`keras_autoshard.rematerialize(model, plan)`;
             `AutoShardDistribution` and `TensorParallel` apply it).
+        gradient_accumulation_steps: Micro-batches the planned batch is fed
+            in, one per step (set the optimizer's
+            `gradient_accumulation_steps` to it); 1 for none.
 
     Example:
 
@@ -68,6 +71,7 @@ class ShardingPlan:
     notes: tuple[str, ...] = ()
     estimate: PlanEstimate | None = dataclasses.field(default=None, compare=False)
     rematerialize: tuple[str, ...] = ()
+    gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
         variables = tuple(sorted(self.variables, key=lambda v: v.path))
@@ -161,6 +165,7 @@ class ShardingPlan:
             ],
             "notes": list(self.notes),
             "rematerialize": list(self.rematerialize),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "estimate": None if self.estimate is None else self.estimate.to_dict(),
         }
 
@@ -206,6 +211,7 @@ class ShardingPlan:
             activations=activations,
             notes=tuple(data.get("notes", ())),
             rematerialize=tuple(data.get("rematerialize") or ()),
+            gradient_accumulation_steps=int(data.get("gradient_accumulation_steps", 1)),
             estimate=(
                 PlanEstimate.from_dict(data["estimate"])
                 if data.get("estimate")

@@ -13,6 +13,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from keras_autoshard.graph.jaxpr.registry import primitive_rule
+from keras_autoshard.graph.jaxpr.residuals import OWN_RULE_CALLS
 from keras_autoshard.graph.jaxpr.walker import (
     NO_GRAD_PRIMITIVES,
     Eqn,
@@ -44,7 +45,14 @@ def _rule_call(e: Eqn) -> list[int]:
     )
     if body is None or len(_open_jaxpr(body).invars) != len(e.ins):
         return e.walker.unknown(e, f"{e.name} with an unreadable body")
-    return e.walker.walk_closed(body, e.ins, e.multiplicity)
+    if e.name not in OWN_RULE_CALLS:
+        return e.walker.walk_closed(body, e.ins, e.multiplicity)
+    # Its residuals are the call's own (`residuals.call_residuals`).
+    e.builder.own_rule_depth += 1
+    try:
+        return e.walker.walk_closed(body, e.ins, e.multiplicity)
+    finally:
+        e.builder.own_rule_depth -= 1
 
 
 def _is_jaxpr(value: Any) -> bool:

@@ -12,7 +12,11 @@ residual's axis classes and therefore its bytes on one device under any
 sharding.
 
 Structural primitives (calls, custom derivatives, loops) are not asked:
-their bodies are walked and their equations answer for them.
+their bodies are walked and their equations answer for them. A custom JVP
+call (`jax.nn.softmax`, `jax.nn.relu`) is the exception: its own derivative
+rule decides what it keeps (a softmax keeps its output, not the exponentials
+of its body), so the call is asked as a whole (`call_residuals`) and its
+body's equations keep nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ STRUCTURAL_PRIMITIVES = frozenset(
         "xla_call",
     }
 )
+
+# Calls asked as a whole: their derivative rule, not their body, decides.
+OWN_RULE_CALLS = frozenset({"custom_jvp_call"})
 
 _ARGUMENT = re.compile(r"from the argument args\[(\d+)\]")
 
@@ -110,6 +117,60 @@ def _cached(key, params, in_avals) -> tuple[Residual, ...]:
     return found
 
 
+def call_residuals(eqn, grads: Sequence[bool]) -> tuple[Residual, ...]:
+    """What a call equation with its own derivative rule (a custom JVP call)
+    keeps, asked of JAX for the call as a whole.
+
+    Args:
+        eqn: The `JaxprEqn` of the call.
+        grads: Whether each operand carries a gradient.
+
+    Returns:
+        The residuals, as `equation_residuals` gives them.
+    """
+    if not any(grads):
+        return ()
+    in_avals = tuple(atom.aval for atom in eqn.invars)
+    key = (
+        eqn.primitive,
+        str(eqn.params.get("call_jaxpr")),
+        tuple((tuple(a.shape), str(a.dtype)) for a in in_avals),
+        tuple(bool(g) for g in grads),
+    )
+    found = _CACHE.get(key)
+    if found is None:
+        found = _queried(_bind_equation(eqn), None, in_avals, key[3])
+        _CACHE[key] = found
+    return found
+
+
+def _bind_equation(eqn):
+    """A primitive-like object whose `bind` evaluates `eqn` alone on new
+    operands (literal operands stay literals)."""
+    from jax.extend import core as jcore
+
+    variables = [
+        jcore.Var(atom.aval) if isinstance(atom, jcore.Var) else atom
+        for atom in eqn.invars
+    ]
+    one = eqn.replace(invars=variables)
+    operands = [v for v in variables if isinstance(v, jcore.Var)]
+    run = jcore.jaxpr_as_fun(
+        jcore.ClosedJaxpr(jcore.Jaxpr([], operands, list(one.outvars), [one]), [])
+    )
+
+    class _Equation:
+        name = eqn.primitive.name
+
+        @staticmethod
+        def bind(*args, **_):
+            kept = [a for a, v in zip(args, variables) if isinstance(v, jcore.Var)]
+            outs = run(*kept)
+            return outs if eqn.primitive.multiple_results else outs[0]
+
+    return _Equation
+
+
 def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
     from jax._src.ad_checkpoint import saved_residuals
 
@@ -120,7 +181,7 @@ def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
             a if g and _inexact(a) else jax.lax.stop_gradient(a)
             for a, g in zip(args, grads)
         ]
-        return primitive.bind(*held, **params)
+        return primitive.bind(*held, **(params or {}))
 
     try:
         out_avals = jax.eval_shape(alone, *structs)

@@ -1,0 +1,76 @@
+"""Levers besides rematerialization: gradient accumulation when nothing else
+fits, the inference job's budget, and the note that explains variables kept
+whole."""
+
+import numpy as np
+import pytest
+
+from benchmarks import zoo
+from keras_autoshard import MeshSpec, ShardingPlan, plan
+from keras_autoshard.errors import PlanError
+
+MESH = MeshSpec((2, 4), ("batch", "model"))
+
+
+def test_gradient_accumulation_is_chosen_only_when_nothing_else_fits():
+    build, batch = zoo.ZOO["llama"]
+    x = batch()
+    free = plan(build, MESH, x)
+    estimate = free.estimate
+    state = estimate.parameter_bytes + estimate.gradient_bytes
+    state += estimate.optimizer_bytes
+    # Room for the state cut 8 ways and an accumulator, and little else: no
+    # sharding or rematerialization of the whole batch fits.
+    budget = int((state + estimate.activation_bytes / 6) / 0.9)
+    with pytest.raises(PlanError, match="No plan fits"):
+        plan(build, MESH, x, memory_budget=int(0.2 * state))
+    accumulated = plan(build, MESH, x, memory_budget=budget)
+    steps = accumulated.gradient_accumulation_steps
+    assert steps > 1
+    assert accumulated.estimate.fits
+    assert any(
+        "gradient accumulation over" in lever for lever in accumulated.estimate.levers
+    )
+    # The accumulator: one more copy of every trainable variable's shard.
+    assert (
+        accumulated.estimate.optimizer_bytes == 3 * accumulated.estimate.gradient_bytes
+    )
+    roundtrip = ShardingPlan.from_json(accumulated.to_json())
+    assert roundtrip.gradient_accumulation_steps == steps
+    # A budget the whole batch fits gets no accumulation.
+    assert (
+        plan(
+            build, MESH, x, memory_budget=2 * estimate.peak_bytes
+        ).gradient_accumulation_steps
+        == 1
+    )
+
+
+def test_inference_plans_budget_no_gradients_nor_optimizer_state():
+    build, batch = zoo.ZOO["llama"]
+    x = batch()
+    inference = plan(build, MESH, x, job="inference")
+    train = plan(build, MESH, x)
+    estimate = inference.estimate
+    assert estimate.job == "inference"
+    assert estimate.gradient_bytes == estimate.optimizer_bytes == 0
+    assert estimate.activation_bytes == 0
+    assert estimate.peak_bytes < train.estimate.peak_bytes
+    with pytest.raises(ValueError, match="job="):
+        plan(build, MESH, x, job="serve")
+
+
+def test_variables_kept_whole_beyond_an_even_cut_are_named_in_a_note():
+    import keras
+
+    def wide_table():
+        ids = keras.Input((16,), dtype="int32")
+        h = keras.layers.Embedding(4096, 64, name="table")(ids)
+        return keras.Model(ids, keras.layers.Dense(64, name="head")(h))
+
+    x = np.zeros((8, 16), "int32")
+    sharding_plan = plan(wide_table, MeshSpec((1, 8), ("batch", "model")), x)
+    if any(sharding_plan.variable("table/embeddings").spec):
+        pytest.fail("expected the table kept whole on 1x8 (cutting it adds traffic)")
+    notes = [n for n in sharding_plan.notes if n.startswith("Variables per device")]
+    assert len(notes) == 1 and "table/embeddings" in notes[0], sharding_plan.notes
