@@ -67,16 +67,25 @@ def distribute_batch(distribution, tree):
     return jax.tree_util.tree_map(put, tree)
 
 
-def _adam():
+def _adam(accumulation_steps: int = 1):
     # epsilon 1e-6 instead of 1e-7: for gradients near epsilon, Adam's update
     # g / (|g| + eps) turns reduction-order rounding (1e-7 relative) into
     # update differences of 1e-3 relative; 1e-6 keeps that below tolerance
     # without changing what is compared.
-    return keras.optimizers.Adam(1e-3, epsilon=1e-6)
+    return keras.optimizers.Adam(
+        1e-3,
+        epsilon=1e-6,
+        gradient_accumulation_steps=(
+            accumulation_steps if accumulation_steps > 1 else None
+        ),
+    )
 
 
-def check_parity(build, distribution, x, y, steps: int = 5):
-    """Assert forward, gradient and `steps` Adam-step parity; return the pair."""
+def check_parity(
+    build, distribution, x, y, steps: int = 5, accumulation_steps: int = 1
+):
+    """Assert forward, gradient and `steps` Adam-step parity (both optimizers
+    accumulating gradients over `accumulation_steps`); return the pair."""
     reference, sharded = build_pair(build, distribution)
     if hasattr(distribution, "prepare") and not distribution.is_planned:
         distribution.prepare(sharded, x)  # AutoShardDistribution plans here
@@ -98,9 +107,9 @@ def check_parity(build, distribution, x, y, steps: int = 5):
     ):
         assert_close(g_s, g_r, f"gradient of {v.path}", scale_floor=floor)
 
-    reference.compile(optimizer=_adam(), loss="mse")
+    reference.compile(optimizer=_adam(accumulation_steps), loss="mse")
     with distribution.scope():
-        sharded.compile(optimizer=_adam(), loss="mse")
+        sharded.compile(optimizer=_adam(accumulation_steps), loss="mse")
     for step in range(steps):
         loss_reference = reference.train_on_batch(x, y)
         with distribution.scope():

@@ -64,6 +64,8 @@ def gpt2_plan(tmp_path_factory):
         str(paths["png"]),
         "--hardware",
         "h100-80gb",
+        "--rematerialize",
+        "all",
     )
     return result, paths
 
@@ -97,6 +99,11 @@ def test_plan_json_is_a_loadable_plan_for_the_requested_mesh(gpt2_plan):
     saved = json.loads(paths["json"].read_text())["estimate"]
     assert saved["peak_bytes"] == plan.estimate.peak_bytes > 0
     assert saved["hardware"] == "h100-80gb" and saved["step_time_s"] > 0
+    # --rematerialize all: every transformer layer, as asked.
+    assert plan.rematerialize == tuple(
+        f"transformer_layer_{i}" for i in range(GPT2_CONFIG["num_layers"])
+    )
+    assert saved["recompute_flops"] > 0
 
 
 def test_plan_png_is_a_nonempty_png_image(gpt2_plan):

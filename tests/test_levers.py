@@ -74,3 +74,18 @@ def test_variables_kept_whole_beyond_an_even_cut_are_named_in_a_note():
         pytest.fail("expected the table kept whole on 1x8 (cutting it adds traffic)")
     notes = [n for n in sharding_plan.notes if n.startswith("Variables per device")]
     assert len(notes) == 1 and "table/embeddings" in notes[0], sharding_plan.notes
+
+
+def test_rematerialize_request_is_followed_and_unknown_layers_are_named():
+    build, batch = zoo.ZOO["llama"]
+    x = batch()
+    every = plan(build, MESH, x, rematerialize="all")
+    assert every.rematerialize == ("transformer_layer_0", "transformer_layer_1")
+    one = plan(build, MESH, x, rematerialize=["transformer_layer_1"])
+    assert one.rematerialize == ("transformer_layer_1",)
+    assert every.estimate.recompute_flops > one.estimate.recompute_flops > 0
+    assert plan(build, MESH, x, rematerialize="none").rematerialize == ()
+    with pytest.raises(PlanError, match=r"transformer_layer_7.*top-level layers"):
+        plan(build, MESH, x, rematerialize=["transformer_layer_7"])
+    with pytest.raises(PlanError, match="rematerialize='some'"):
+        plan(build, MESH, x, rematerialize="some")

@@ -5,14 +5,27 @@ For every model of the zoo on meshes 2x4, 1x8 and 8x1, `plan.estimate`
 keeps, inputs and targets, transient buffers) is compared with XLA's memory
 analysis of the jitted Keras train step under the plan (arguments + outputs
 + temporaries − aliased, state donated): within ±15 %.
+
+With every repeated layer rematerialized (`rematerialize="all"`), compiled
+scheduling for memory as accelerators do, the estimate may not fall short
+by more than 15 % and is conservative above (see `REMAT_OVERESTIMATE`).
 """
 
 import keras
 import pytest
 
 from benchmarks import zoo
-from keras_autoshard import MeshSpec, PlanDistribution, plan
-from keras_autoshard.report.compiled_program import inspect_compiled
+from keras_autoshard import (
+    MeshSpec,
+    PlanDistribution,
+    names_replayed_after,
+    plan,
+    rematerialize,
+)
+from keras_autoshard.report.compiled_program import (
+    MEMORY_SCHEDULE_ON_CPU,
+    inspect_compiled,
+)
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
 MESHES = [(2, 4), (1, 8), (8, 1)]
@@ -40,3 +53,45 @@ def test_estimated_peak_is_within_15_percent_of_the_compiled_step(name, shape):
     )
     # The JSON keeps it.
     assert type(sharding_plan).from_json(sharding_plan.to_json()).estimate == estimate
+
+
+# Zoo models with a repeated-layer family to rematerialize.
+REMAT_ZOO = ["bert", "gemma", "gpt2", "llama", "opt", "subclassed"]
+# With rematerialization, XLA scheduling for memory (as accelerators
+# schedule; `MEMORY_SCHEDULE_ON_CPU`) frees more than the estimate models
+# while a layer is recomputed: measured ratios 0.87 to 1.37 (the Gemma and
+# Llama layers on 2x4 and 1x8 above 1.15). The estimate must not fall short
+# (a plan that says it fits must fit), and stays within this overestimate.
+REMAT_OVERESTIMATE = 1.40
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("name", REMAT_ZOO)
+def test_estimated_peak_with_every_layer_rematerialized(name, shape):
+    build, batch = zoo.ZOO[name]
+    x = batch()
+    y = zoo.random_targets(build, x)
+    mesh = MeshSpec(shape, ("batch", "model"))
+    sharding_plan = plan(build, mesh, x, rematerialize="all")
+    assert len(sharding_plan.rematerialize) >= 2
+    assert any(
+        note.startswith("Estimated peak") and "(asked for)" in note
+        for note in sharding_plan.notes
+    ), sharding_plan.notes
+    free = plan(build, mesh, x)
+    assert sharding_plan.estimate.peak_bytes < free.estimate.peak_bytes
+    distribution = PlanDistribution(sharding_plan)
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        rematerialize(model, sharding_plan)
+        model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    report = inspect_compiled(
+        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    )
+    compiled = compiled_peak_bytes(report.train_step.memory)
+    ratio = sharding_plan.estimate.peak_bytes / compiled
+    assert 1 - TOLERANCE <= ratio <= REMAT_OVERESTIMATE, (
+        f"{name} on {shape} with {sharding_plan.rematerialize} rematerialized: "
+        f"estimated {sharding_plan.estimate.to_dict()}, compiled {compiled} "
+        f"(ratio {ratio:.2f})"
+    )

@@ -136,7 +136,8 @@ def test_data_only_mesh_trades_the_embedding_gradient_all_reduce_as_estimated():
 
 def _tight_plan(name, mesh):
     """The plan for a budget that leaves the state (parameters, gradients,
-    Adam's two moments) 1.05 × its size cut over every device, the rest of
+    Adam's two moments) 1.05 × its size cut over every device and the
+    gathered copies of weights stored cut, the rest of
     the free plan's peak as it is; with the model's builder, batch and that
     budget. The budget holds the whole peak and plans fill 90 % of it
     (`plans.estimate.HEADROOM`)."""
@@ -145,7 +146,12 @@ def _tight_plan(name, mesh):
     estimate = free.estimate
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
-    floor = 1.05 * 4 * free.total_bytes() / mesh.device_count
+    devices = mesh.device_count
+    model_ways = mesh.shape[mesh.axis_names.index("model")]
+    # Cut over every device, plus the all-gathered weights the backward pass
+    # keeps when they are stored cut over the data axis (FSDP): each weight's
+    # tensor-parallel part less this device's stored part.
+    floor = 1.05 * free.total_bytes() * (4 / devices + 1 / model_ways - 1 / devices)
     budget = int((estimate.peak_bytes - state + floor) / (1 - HEADROOM))
     tight = ka.plan(build, mesh, sample_input=x, memory_budget=budget)
     return build, x, y, tight, budget

@@ -123,9 +123,27 @@ def _model_options() -> argparse.ArgumentParser:
         "--memory-budget",
         type=parse_byte_size,
         metavar="SIZE",
-        help="per-device memory, e.g. 16GiB: the search keeps parameters + "
-        "optimizer state within it, the estimate shows the whole peak against "
-        "it (default: the --hardware profile's usable memory)",
+        help="per-device memory, e.g. 16GiB: the search keeps the whole peak "
+        "of a step within it (parameters, gradients, optimizer state, kept "
+        "activations, data, transient buffers), rematerializing layers or "
+        "accumulating gradients where the sharding alone does not fit "
+        "(default: the --hardware profile's usable memory)",
+    )
+    mesh.add_argument(
+        "--rematerialize",
+        default="auto",
+        type=_parse_remat,
+        metavar="auto|none|all|LAYER,...",
+        help="auto (default): layers are rematerialized only where the budget "
+        "needs it; none; all: every repeated-layer family; or top-level "
+        "layer names, comma-separated",
+    )
+    mesh.add_argument(
+        "--job",
+        choices=("train", "inference"),
+        default="train",
+        help="what the budget holds: a training step (default) or inference "
+        "(variables, data and the largest activations)",
     )
     mesh.add_argument(
         "--hardware",
@@ -195,6 +213,13 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--dry-run", action="store_true", help="print the commands, run nothing"
     )
+
+
+def _parse_remat(text: str):
+    """`auto`, `none`, `all`, or comma-separated layer names (a tuple)."""
+    if text in ("auto", "none", "all"):
+        return text
+    return tuple(name for name in text.split(",") if name)
 
 
 def _positive_int(text: str) -> int:

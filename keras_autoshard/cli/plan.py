@@ -57,6 +57,8 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         device_count=args.devices,
         progress=True,
         hardware=getattr(args, "hardware", None),
+        job=getattr(args, "job", "train"),
+        rematerialize=getattr(args, "rematerialize", "auto"),
     )
     return result, sample
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
-from keras_autoshard.planner.remat import kept_terms
+from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
 
 
@@ -97,6 +97,9 @@ class PlannerOptions:
             the budget holds.
         minimize_peak: With no budget, make the peak per device the first
             term of the objective (used to say by how much nothing fits).
+        rematerialize: `"auto"` (chosen only to fit the budget), `"none"`,
+            `"all"` (every repeated-layer family) or a tuple of top-level
+            layer names.
     """
 
     memory_budget_bytes: int | None = None
@@ -107,6 +110,7 @@ class PlannerOptions:
     hardware: Any = None
     job: str = "train"
     minimize_peak: bool = False
+    rematerialize: Any = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +182,25 @@ def kept_bytes(
         * factor
         * widening(graph.tensors[tid], half_as_single)
         for tid, factor in kept_terms(graph, remat)
+    )
+
+
+def gathered_bytes(
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    remat: frozenset[str] = frozenset(),
+) -> float:
+    """Bytes of FSDP-gathered weights one device keeps for the backward pass
+    (`planner/remat.gathered_param_terms`): each kept weight's compute
+    layout less its stored shard."""
+    return sum(
+        factor
+        * (
+            local_bytes(graph.tensors[tid], assignment, sizes, include_fsdp=False)
+            - local_bytes(graph.tensors[tid], assignment, sizes)
+        )
+        for tid, factor in gathered_param_terms(graph, remat)
     )
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import (
     Assignment,
@@ -90,22 +91,53 @@ class NoFit(Exception):
         )
 
 
-def remat_options(graph: AxisGraph, job: str) -> list[tuple[str, ...]]:
+REMAT_REQUESTS = ("auto", "none", "all")
+
+
+def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str, ...]]:
     """Rematerialization options in order of recomputation.
 
     Args:
         graph: The model's axis graph.
         job: `"train"` or `"inference"` (nothing to rematerialize).
+        request: `"auto"` (every option, the planner chooses), `"none"`,
+            `"all"` (every repeated-layer family) or layer names.
 
     Returns:
-        Tuples of layer names: none first, then each family added.
+        Tuples of layer names: none first, then each family added (one
+        option only for a request other than `"auto"`).
+
+    Raises:
+        PlanError: When a requested layer is not a top-level layer of the
+            model.
     """
     options: list[tuple[str, ...]] = [()]
-    if job != "train":
+    if job != "train" or request == "none":
         return options
     for family in remat_families(graph):
         options.append(options[-1] + family)
-    return options
+    if request == "auto":
+        return options
+    if request == "all":
+        return [options[-1]]
+    return [_requested_layers(graph, request)]
+
+
+def _requested_layers(graph: AxisGraph, request) -> tuple[str, ...]:
+    if isinstance(request, str):
+        raise PlanError(
+            f"rematerialize={request!r}: use one of {REMAT_REQUESTS} or a "
+            "list of top-level layer names."
+        )
+    layers = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+    missing = sorted(set(request) - set(layers))
+    if missing:
+        raise PlanError(
+            f"rematerialize names {missing}, which are not top-level layers "
+            f"the model calls; its top-level layers are {layers[:12]}"
+            f"{' …' if len(layers) > 12 else ''}."
+        )
+    return tuple(layer for layer in layers if layer in set(request))
 
 
 def choose_levers(
@@ -131,7 +163,9 @@ def choose_levers(
         NoFit: When a budget is set and no option fits it.
         InfeasibleError: When the rules cannot hold at all.
     """
-    choices = remat_options(graph, options.job)
+    choices = remat_options(graph, options.job, options.rematerialize)
+    # Trim rematerialization to the fewest layers only when it was chosen.
+    trim = options.rematerialize == "auto"
     searched = options
     if options.memory_budget_bytes is not None:
         searched = dataclasses.replace(
@@ -153,6 +187,8 @@ def choose_levers(
         )
         if not _fits(candidate):
             return None
+        if not trim:
+            return candidate
         return _fewest_layers(graph, axes, mesh, options, candidate, choices)
 
     fitting: list[Candidate] = []
@@ -171,6 +207,8 @@ def choose_levers(
     assignment = search(graph, axes, peak_options, pins, frozenset(choices[-1]))
     best = _candidate(graph, axes, mesh, options, assignment, choices[-1])
     if _fits(best):
+        if not trim:
+            return best
         return _fewest_layers(graph, axes, mesh, options, best, choices)
     # Only when nothing else fits: gradient accumulation over micro-batches.
     for micro_batches in accumulation_options(graph, axes, options.job):
@@ -244,7 +282,9 @@ def _candidate(
         step_time_s=None
         if profile is None
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
-        levers=_describe_levers(remat, micro_batches),
+        levers=_describe_levers(
+            remat, micro_batches, asked=options.rematerialize != "auto"
+        ),
     )
     return Candidate(assignment, tuple(remat), cost, estimate, micro_batches)
 
@@ -280,13 +320,20 @@ def _data_axes(axes: tuple[MeshAxis, ...]) -> set[str]:
     return {a.name for a in axes if a.data_only}
 
 
-def _describe_levers(remat: tuple[str, ...], micro_batches: int = 1) -> tuple[str, ...]:
+# Ends a lever the user asked for rather than one chosen to fit.
+ASKED = " (asked for)"
+
+
+def _describe_levers(
+    remat: tuple[str, ...], micro_batches: int = 1, asked: bool = False
+) -> tuple[str, ...]:
     levers = []
     if remat:
         shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
         levers.append(
             f"rematerialize {len(remat)} layer call(s) in the backward pass "
             f"(jax.checkpoint, nothing saved inside): {shown}"
+            + (ASKED if asked else "")
         )
     if micro_batches > 1:
         levers.append(

@@ -7,7 +7,9 @@ Pure functions of the axis graph and an `Assignment`. For a training step
 - gradients: one per trainable parameter, cut like it;
 - optimizer: `optimizer_slots` copies per trainable parameter;
 - activations: what the backward pass keeps (the graph's residuals, read
-  from JAX's derivative rules per equation), each cut like its tensor;
+  from JAX's derivative rules per equation), each cut like its tensor, and
+  the all-gathered copies of FSDP-cut weights it keeps
+  (`remat.gathered_param_terms`);
 - data: this device's inputs, and its targets (one per output, laid out by
   batch only, as Keras distributes the data);
 - transient: the loss's own buffers (the output's difference to the target
@@ -31,6 +33,7 @@ from keras_autoshard.planner.cost_model import (
     Assignment,
     MeshAxis,
     contraction_flops,
+    gathered_bytes,
     iteration_classes,
     kept_bytes,
     local_bytes,
@@ -93,7 +96,7 @@ def estimate_memory(
         size = local_bytes(t, assignment, sizes) * widening(t, half_as_single)
         if batch_classes.intersection(t.dim_classes):
             largest = max(largest, size)
-        else:  # made from weights alone (a transposed table): it and its gradient
+        else:  # made from weights alone (a transposed table): its gradient
             largest_derived = max(largest_derived, size)
     if job == "inference":
         return PlanEstimate(
@@ -124,16 +127,15 @@ def estimate_memory(
     # zoo's tied model on 1x8 keeps them cut, its targets whole).
     loss = 2 * outputs
     kept = kept_bytes(graph, assignment, sizes, half_as_single, remat)
+    gathered = gathered_bytes(graph, assignment, sizes, remat)
     part = 1.0 / micro_batches
     accumulators = trainable if micro_batches > 1 else 0.0
-    transient = loss * part + max(
-        3 * largest * part, 2 * largest_derived, workspace * part
-    )
+    transient = loss * part + max(3 * largest * part, largest_derived, workspace * part)
     return PlanEstimate(
         parameter_bytes=int(parameters),
         gradient_bytes=int(trainable),
         optimizer_bytes=int(optimizer_slots * trainable + accumulators),
-        activation_bytes=int(kept * part),
+        activation_bytes=int(kept * part + gathered),
         data_bytes=int((inputs + targets) * part),
         transient_bytes=int(transient),
     )

@@ -8,11 +8,13 @@ peak fits:
 - every variable's shard, and for trainable ones their gradient and
   optimizer slots (FSDP storage cuts included);
 - the activations kept for the backward pass under the chosen
-  rematerialization, each cut like its tensor;
+  rematerialization, each cut like its tensor, and the gathered copies of
+  the FSDP-cut weights it keeps;
 - the inputs (cut like them) and targets (cut by the data axes);
 - the loss's buffers (twice the outputs) and one variable `T` at least as
   large as each candidate transient (three times each of the largest batch
-  activations, twice each of the largest weight-derived ones, each
+  activations, once each of the largest weight-derived ones (their
+  gradient; the weight itself is resident or a kept gathered copy), each
   backward workspace).
 
 `T` is bounded by the largest activation of each set of axis classes (any
@@ -29,7 +31,7 @@ import numpy as np
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import widening
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.remat import kept_terms
+from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
 
 # Cost per byte of peak when the search minimises the peak (no plan fits):
 # well above any communication byte.
@@ -86,6 +88,10 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         for tid, factor in kept_terms(graph, remat):
             tensor = graph.tensors[tid]
             add(tensor, False, factor * widening(tensor, half) * part)
+        for tid, factor in gathered_param_terms(graph, remat):
+            # The gathered copy (compute layout) less the stored shard.
+            add(graph.tensors[tid], False, factor)
+            add(graph.tensors[tid], True, -factor)
         data_ways = math.prod(a.size for a in program.axes if a.data_only)
         for tid in graph.outputs:
             tensor = graph.tensors[tid]
@@ -130,7 +136,7 @@ def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
         if tensor.kind != "activation" or tensor.id in outputs:
             continue
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
-        factor = (3.0 * part if carries_batch else 2.0) if train else 2.0
+        factor = (3.0 * part if carries_batch else 1.0) if train else 2.0
         factor *= widening(tensor, half)
         key = frozenset(c for c in tensor.dim_classes if c is not None)
         size = tensor.nbytes * factor

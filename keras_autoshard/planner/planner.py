@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import keras
 
@@ -25,7 +25,7 @@ from keras_autoshard.planner.cost_model import (
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
-from keras_autoshard.planner.levers import Candidate, NoFit, choose_levers
+from keras_autoshard.planner.levers import ASKED, Candidate, NoFit, choose_levers
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS
 from keras_autoshard.planner.roles import class_roles
@@ -72,6 +72,7 @@ def plan(
     progress: bool = False,
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
+    rematerialize: str | Sequence[str] = "auto",
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -107,6 +108,13 @@ def plan(
         job: `"train"` (a training step: gradients, optimizer state and
             kept activations) or `"inference"` (`predict`: variables, data
             and the largest activations).
+        rematerialize: `"auto"`: layers are rematerialized only where the
+            budget needs it (the fewest that fit); `"none"`: never; `"all"`:
+            every repeated-layer family (the transformer layers of a
+            backbone), e.g. to fit a larger batch; or a list of top-level
+            layer names. The plan's `rematerialize` lists the layers, which
+            `AutoShardDistribution` (or `keras_autoshard.rematerialize`)
+            checkpoints.
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -133,6 +141,7 @@ def plan(
         progress=progress,
         hardware=hardware,
         job=job,
+        rematerialize=rematerialize,
     ).plan
 
 
@@ -147,6 +156,7 @@ def plan_with_cost(
     progress: bool = False,
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
+    rematerialize: str | Sequence[str] = "auto",
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     if job not in JOBS:
@@ -194,6 +204,7 @@ def plan_with_cost(
             platform=profile.platform if profile is not None else _device_platform(),
             hardware=profile,
             job=job,
+            rematerialize=_remat_request(rematerialize),
         )
         best = None
         reasons = []
@@ -242,6 +253,10 @@ def plan_with_cost(
         )
     sharding_plan, cost = best
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
+
+
+def _remat_request(rematerialize: str | Sequence[str]) -> str | tuple[str, ...]:
+    return rematerialize if isinstance(rematerialize, str) else tuple(rematerialize)
 
 
 def _device_platform() -> str:
@@ -502,7 +517,10 @@ def _memory_note(estimate: PlanEstimate) -> str:
     and the levers chosen."""
     peak = format_bytes(estimate.peak_bytes)
     job = "a training step" if estimate.job == "train" else "inference"
-    levers = "".join(f" Chosen to fit: {lever}." for lever in estimate.levers)
+    levers = "".join(
+        f" Lever: {lever}." if lever.endswith(ASKED) else f" Chosen to fit: {lever}."
+        for lever in estimate.levers
+    )
     if estimate.budget_bytes is None:
         return (
             f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers

@@ -99,5 +99,42 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
     return result
 
 
+def gathered_param_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
+    """Parameters the backward pass keeps as its forward pass read them.
+
+    A matrix product keeps its weight for the input gradient. A weight
+    stored cut over an FSDP axis is all-gathered to be read, and that
+    gathered copy is what is kept: one per parameter of every layer that is
+    not rematerialized, and while a rematerialized layer runs its backward
+    pass (gathering again), the largest such layer's.
+
+    Args:
+        graph: The model's axis graph.
+        remat: Names of the top-level layers rematerialized.
+
+    Returns:
+        `(parameter tensor id, copies)`; each costs its compute layout's
+        bytes less its stored shard's (nothing when it is not FSDP-cut).
+    """
+    terms: KeptTerms = []
+    recomputed: dict[str, KeptTerms] = {}
+    for kept in graph.residuals:
+        if graph.tensors[kept.tensor].kind != "param":
+            continue
+        if kept.layers and all(layer in remat for layer in kept.layers):
+            recomputed.setdefault(kept.layers[0], []).append((kept.tensor, 1.0))
+        else:
+            terms.append((kept.tensor, 1.0))
+    if recomputed:
+        largest = max(
+            sorted(recomputed),
+            key=lambda layer: sum(
+                graph.tensors[t].nbytes for t, _ in recomputed[layer]
+            ),
+        )
+        terms += recomputed[largest]
+    return terms
+
+
 def _global_kept(graph: AxisGraph, remat: frozenset[str]) -> float:
     return sum(graph.tensors[t].nbytes * f for t, f in kept_terms(graph, remat))
