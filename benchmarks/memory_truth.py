@@ -7,8 +7,11 @@ Run from the repository root:
 python -m benchmarks.memory_truth [--output BENCHMARKS.md] [--skip-real-sizes]
 ```
 
-1. Every model of the test zoo on 8 simulated devices, meshes 2x4, 1x8 and
-   8x1 (float32), and on 2x4 under `mixed_bfloat16`: the plan's estimate
+1. Plans that rematerialize (under budgets that need it, and every layer
+   rematerialized on each mesh and under `mixed_bfloat16`), a LoRA
+   fine-tune on each mesh, and every model of the test zoo on 8 simulated
+   devices, meshes 2x4, 1x8 and 8x1 (float32), and on 2x4 under
+   `mixed_bfloat16`: the plan's estimate
    (`plan.estimate`: parameters, gradients, optimizer, activations kept,
    inputs and targets, transient, peak) against XLA's memory analysis of the
    jitted Keras train step (arguments + outputs + temporaries − aliased),
@@ -103,7 +106,7 @@ def zoo_rows() -> list[dict]:
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
     cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
-    rows = remat_rows()
+    rows = remat_rows() + lora_rows()
     for policy, shape in cases:
         keras.mixed_precision.set_global_policy(policy)
         try:
@@ -135,52 +138,124 @@ def zoo_rows() -> list[dict]:
 # Zoo models planned under a budget that needs rematerialization: share of
 # the plan's own peak without a budget.
 REMAT_CASES = (("llama", 0.6), ("subclassed", 0.7))
+# Zoo models with a repeated-layer family, planned with every layer of it
+# rematerialized (`rematerialize="all"`).
+REMAT_ZOO = ("bert", "gemma", "gpt2", "llama", "opt", "subclassed")
 
 
 def remat_rows() -> list[dict]:
-    """The planner's own plans under budgets that need rematerialization,
-    compiled as an accelerator schedules them (`MEMORY_SCHEDULE_ON_CPU`)."""
+    """Plans that rematerialize, compiled as an accelerator schedules them
+    (`MEMORY_SCHEDULE_ON_CPU`; XLA:CPU's defaults merge the recomputation
+    away): the planner's own under budgets that need it (trained as the
+    plan says, accumulation included), then every layer rematerialized on
+    each mesh and once under `mixed_bfloat16`."""
+    import keras
 
     from benchmarks import zoo
-    from keras_autoshard import (
-        MeshSpec,
-        PlanDistribution,
-        names_replayed_after,
-        plan,
-        rematerialize,
-    )
+    from keras_autoshard import MeshSpec, plan
+
+    rows = []
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    for name, share in REMAT_CASES:
+        build, batch = zoo.ZOO[name]
+        x = batch()
+        free = plan(build, mesh, x)
+        budget = int(share * free.estimate.peak_bytes)
+        fitted = plan(build, mesh, x, memory_budget=budget)
+        policy = f"float32, budget {share:.0%} of the free peak"
+        rows.append(_remat_row(name, fitted, build, x, policy))
+    cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
+    for policy, shape in cases:
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            for name in REMAT_ZOO:
+                build, batch = zoo.ZOO[name]
+                x = batch()
+                every = plan(
+                    build, MeshSpec(shape, ("batch", "model")), x, rematerialize="all"
+                )
+                rows.append(_remat_row(name, every, build, x, f"{policy}, remat all"))
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return rows
+
+
+def _remat_row(name, sharding_plan, build, x, policy: str) -> dict:
+    """Compile `sharding_plan`'s train step as it says (rematerialized
+    layers, micro-batches with `gradient_accumulation_steps`)."""
+    import jax
+    import keras
+
+    from benchmarks import zoo
+    from keras_autoshard import PlanDistribution, names_replayed_after, rematerialize
     from keras_autoshard.report.compiled_program import (
         MEMORY_SCHEDULE_ON_CPU,
         inspect_compiled,
     )
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
-    mesh = MeshSpec((2, 4), ("batch", "model"))
-    rows = []
-    for name, share in REMAT_CASES:
-        build, batch = zoo.ZOO[name]
-        x = batch()
-        y = zoo.random_targets(build, x)
-        free = plan(build, mesh, x)
-        budget = int(share * free.estimate.peak_bytes)
-        fitted = plan(build, mesh, x, memory_budget=budget)
-        distribution = PlanDistribution(fitted)
-        with distribution.scope(), names_replayed_after():
-            model = build()
-            rematerialize(model, fitted)
-            model.compile(optimizer="adam", loss="mse")
-        report = inspect_compiled(
-            model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    y = zoo.random_targets(build, x)
+    steps = sharding_plan.gradient_accumulation_steps
+    x, y = (
+        jax.tree_util.tree_map(lambda a: a[: a.shape[0] // steps], data)
+        for data in (x, y)
+    )
+    distribution = PlanDistribution(sharding_plan)
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        rematerialize(model, sharding_plan)
+        optimizer = keras.optimizers.Adam(
+            gradient_accumulation_steps=steps if steps > 1 else None
         )
+        model.compile(optimizer=optimizer, loss="mse")
+    report = inspect_compiled(
+        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    )
+    mesh = sharding_plan.mesh.shape
+    return {
+        "model": name,
+        "mesh": f"{mesh[0]}x{mesh[1]}",
+        "policy": policy,
+        "estimate": sharding_plan.estimate.to_dict(),
+        "compiled_peak": compiled_peak_bytes(report.train_step.memory),
+        "compiled_communication": report.train_step.operand_bytes(),
+        "levers": _short_levers(sharding_plan),
+    }
+
+
+def lora_rows() -> list[dict]:
+    """A Gemma-shaped backbone with `enable_lora(rank=4)` on each mesh:
+    optimizer state for the LoRA kernels only."""
+
+    from benchmarks import zoo
+    from keras_autoshard import MeshSpec, PlanDistribution, plan
+    from keras_autoshard.report.compiled_program import inspect_compiled
+    from keras_autoshard.report.estimate_check import compiled_peak_bytes
+
+    def build():
+        model = zoo.gemma()
+        model.enable_lora(rank=4)
+        return model
+
+    x = zoo.ZOO["gemma"][1]()
+    y = zoo.random_targets(build, x)
+    rows = []
+    for shape in MESHES:
+        sharding_plan = plan(build, MeshSpec(shape, ("batch", "model")), x)
+        distribution = PlanDistribution(sharding_plan)
+        with distribution.scope():
+            model = build()
+            model.compile(optimizer="adam", loss="mse")
+        report = inspect_compiled(model, distribution, (x, y))
         rows.append(
             {
-                "model": name,
-                "mesh": "2x4",
-                "policy": f"float32, budget {share:.0%} of the free peak",
-                "estimate": fitted.estimate.to_dict(),
+                "model": "gemma + LoRA r4",
+                "mesh": f"{shape[0]}x{shape[1]}",
+                "policy": "float32, LoRA kernels train",
+                "estimate": sharding_plan.estimate.to_dict(),
                 "compiled_peak": compiled_peak_bytes(report.train_step.memory),
                 "compiled_communication": report.train_step.operand_bytes(),
-                "levers": _short_levers(fitted),
+                "levers": "none",
             }
         )
     return rows
@@ -274,9 +349,26 @@ def real_size_rows() -> list[dict]:
                 "estimate": child["estimate"],
                 "deterministic": child["plan_json"] == again["plan_json"],
                 "published": published,
+                "layout": _layout_summary(planned),
             }
         )
     return rows
+
+
+def _layout_summary(sharding_plan) -> str:
+    """How the plan cuts the parameter bytes: the share cut over each mesh
+    axis, the layers rematerialized, the accumulation."""
+    total = sharding_plan.total_bytes()
+    parts = []
+    for axis, size in zip(sharding_plan.mesh.axis_names, sharding_plan.mesh.shape):
+        cut = sum(
+            v.total_bytes
+            for v in sharding_plan.variables
+            if any(axis == s or (isinstance(s, tuple) and axis in s) for s in v.spec)
+        )
+        parts.append(f"{cut / total:.0%} of parameter bytes cut over {axis} ({size})")
+    parts.append(_short_levers(sharding_plan))
+    return "; ".join(parts)
 
 
 def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
@@ -317,12 +409,18 @@ def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
         "buffers) against XLA's memory analysis of the jitted Keras train step "
         "(arguments + outputs + temporaries − aliased). Ratios from "
         f"{min(ratios):.2f} to {max(ratios):.2f} over {len(zoo)} rows. The "
-        "first rows are the planner's own plans under budgets that need "
-        "rematerialization, compiled with XLA:CPU scheduling for memory and "
-        "keeping the recomputation (`MEMORY_SCHEDULE_ON_CPU`, as accelerators "
-        "do; XLA:CPU's defaults merge the recomputation away); the estimate is "
-        "conservative there (it models the default schedule). "
-        "Regenerate with:\n\n"
+        "first rows rematerialize: the planner's own plans under budgets that "
+        "need it (compiled and trained as the plan says, gradient accumulation "
+        "included), then every repeated layer rematerialized "
+        '(`rematerialize="all"`) on each mesh and under `mixed_bfloat16`, '
+        "compiled with XLA:CPU scheduling for memory and keeping the "
+        "recomputation (`MEMORY_SCHEDULE_ON_CPU`, as accelerators do; "
+        "XLA:CPU's defaults merge the recomputation away). There the estimate "
+        "is conservative for the KerasHub Llama and Gemma layers (it counts a "
+        "recomputed layer's residuals all alive at once; the memory schedule "
+        "frees some sooner). Then a LoRA fine-tune (only the LoRA kernels "
+        "carry gradients and Adam's moments), then the planner's free plans "
+        "under XLA:CPU's default schedule. Regenerate with:\n\n"
         f"```\n{command}\n```\n\n{zoo_table}\n"
     )
     if real:
@@ -376,7 +474,10 @@ def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
                 False,
             ],
         )
-        published = "\n".join(f"- {r['model']}: {r['published']}." for r in real)
+        published = "\n".join(
+            f"- {r['model']}: published: {r['published']}. This plan: {r['layout']}."
+            for r in real
+        )
         text += (
             "\n### Real sizes, no weights allocated (`mixed_bfloat16`)\n\n"
             "Each planned in a fresh process on this machine, twice (the last "
@@ -385,8 +486,10 @@ def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
             "of it, and step time is the objective among plans that fit. The "
             "search bounds the whole peak and chooses rematerialization of "
             "repeated layers (fewest that fit) and, only when nothing else "
-            "fits, gradient accumulation. Sequence parallelism is not offered "
-            "yet. Published configurations for comparison:\n\n"
+            "fits, gradient accumulation; weights stored cut (FSDP) count their "
+            "gathered copies the backward pass keeps. Sequence parallelism is "
+            "not offered (tried: on XLA it compiled to a higher peak). Published "
+            "configurations for comparison:\n\n"
             f"{published}\n\n{real_table}\n"
         )
     return text

@@ -41,11 +41,6 @@ logger = logging.getLogger(__name__)
 
 # Smallest preference for leaving a class unsharded when nothing else decides.
 _TIE_BREAK_BYTES = 1.0
-# Cost per byte of variable state (parameters, gradients, optimizer slots)
-# one device holds: among plans that move the same bytes, the one that
-# holds less wins (a table no communication decides about is cut), while
-# any real difference in communication still decides.
-_MEMORY_TIE_BREAK = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,17 +408,6 @@ class _Program:
                     row[x] = -1.0
                 self.lp.add_row(row, upper=0.0)
 
-    def add_memory_tie_break(self) -> None:
-        """Prefer, at equal communication, the plan that holds less state."""
-        copies = 2.0 + self.options.optimizer_slots
-        for tensor in self.graph.tensors:
-            if tensor.kind not in ("param", "state"):
-                continue
-            scale = _MEMORY_TIE_BREAK * (copies if tensor.kind == "param" else 1.0)
-            _, terms = self.bytes_terms(tensor, fsdp=True, scale=scale)
-            for var, cost in terms.items():
-                self.lp.add_cost(var, cost)
-
     def add_batch_preference(self) -> None:
         """Reward each split of an input's batch dim over a data axis by more
         than every other cost together: any plan that splits the batch beats
@@ -523,7 +507,6 @@ def _solve(
     program.add_table_exchanges()
     program.add_replicated_math_penalty()
     add_peak_budget(program, remat, micro_batches)
-    program.add_memory_tie_break()
     program.add_batch_preference()
     logger.info(
         "Planning MILP: %d variables, %d constraints",
