@@ -111,7 +111,9 @@ def estimate_memory(
     targets = _targets_bytes(graph, axes)
     workspace = max(
         (
-            local_bytes(graph.tensors[t], assignment, sizes) * f
+            local_bytes(graph.tensors[t], assignment, sizes)
+            * f
+            * widening(graph.tensors[t], half_as_single)
             for t, f in graph.workspaces
         ),
         default=0.0,

@@ -147,5 +147,8 @@ def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
         tensor = graph.tensors[tid]
         chosen.append((tensor, size / tensor.nbytes))
     if train:
-        chosen += [(graph.tensors[t], f * part) for t, f in graph.workspaces]
+        chosen += [
+            (graph.tensors[t], f * part * widening(graph.tensors[t], half))
+            for t, f in graph.workspaces
+        ]
     return chosen
