@@ -202,6 +202,36 @@ def compiled_report(build, distribution: Distribution, x, y):
         return inspect_compiled(model, distribution, (x, y))
 
 
+def micro_batch(sharding_plan, data):
+    """The first of the plan's micro-batches of `data` (all of it when the
+    plan does not accumulate gradients)."""
+    import jax
+
+    parts = sharding_plan.gradient_accumulation_steps
+    return jax.tree_util.tree_map(lambda a: a[: a.shape[0] // parts], data)
+
+
+def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
+    """The train step of `build()` compiled as `sharding_plan` says: its
+    layout, its rematerialized layers, its micro-batches of `(x, y)` with
+    `gradient_accumulation_steps` on Adam; the `CompiledReport`."""
+    from keras_autoshard import PlanDistribution, rematerialize
+
+    distribution = PlanDistribution(sharding_plan)
+    steps = sharding_plan.gradient_accumulation_steps
+    x, y = micro_batch(sharding_plan, x), micro_batch(sharding_plan, y)
+    with distribution.scope(), names_replayed_after():
+        model = build()
+        rematerialize(model, sharding_plan)
+        optimizer = keras.optimizers.Adam(
+            gradient_accumulation_steps=steps if steps > 1 else None
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+    return inspect_compiled(
+        model, distribution, (x, y), compiler_options=compiler_options
+    )
+
+
 def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
     """max |actual - expected| / max(max |expected|, scale_floor).
 

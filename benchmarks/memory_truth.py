@@ -183,33 +183,14 @@ def remat_rows() -> list[dict]:
 def _remat_row(name, sharding_plan, build, x, policy: str) -> dict:
     """Compile `sharding_plan`'s train step as it says (rematerialized
     layers, micro-batches with `gradient_accumulation_steps`)."""
-    import jax
-    import keras
-
     from benchmarks import zoo
-    from keras_autoshard import PlanDistribution, names_replayed_after, rematerialize
-    from keras_autoshard.report.compiled_program import (
-        MEMORY_SCHEDULE_ON_CPU,
-        inspect_compiled,
-    )
+    from benchmarks.measure import compiled_as_planned
+    from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
     y = zoo.random_targets(build, x)
-    steps = sharding_plan.gradient_accumulation_steps
-    x, y = (
-        jax.tree_util.tree_map(lambda a: a[: a.shape[0] // steps], data)
-        for data in (x, y)
-    )
-    distribution = PlanDistribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        rematerialize(model, sharding_plan)
-        optimizer = keras.optimizers.Adam(
-            gradient_accumulation_steps=steps if steps > 1 else None
-        )
-        model.compile(optimizer=optimizer, loss="mse")
-    report = inspect_compiled(
-        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    report = compiled_as_planned(
+        sharding_plan, build, x, y, compiler_options=MEMORY_SCHEDULE_ON_CPU
     )
     mesh = sharding_plan.mesh.shape
     return {

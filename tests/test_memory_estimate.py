@@ -15,12 +15,11 @@ import keras
 import pytest
 
 from benchmarks import zoo
+from benchmarks.measure import compiled_as_planned
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
-    names_replayed_after,
     plan,
-    rematerialize,
 )
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
@@ -80,13 +79,8 @@ def test_estimated_peak_with_every_layer_rematerialized(name, shape):
     ), sharding_plan.notes
     free = plan(build, mesh, x)
     assert sharding_plan.estimate.peak_bytes < free.estimate.peak_bytes
-    distribution = PlanDistribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        rematerialize(model, sharding_plan)
-        model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
-    report = inspect_compiled(
-        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    report = compiled_as_planned(
+        sharding_plan, build, x, y, compiler_options=MEMORY_SCHEDULE_ON_CPU
     )
     compiled = compiled_peak_bytes(report.train_step.memory)
     ratio = sharding_plan.estimate.peak_bytes / compiled

@@ -18,22 +18,20 @@ plan says: micro-batches of the planned batch, and
 `gradient_accumulation_steps` on the optimizer.
 """
 
-import jax
 import keras
 import pytest
 
 from benchmarks import zoo
+from benchmarks.measure import compiled_as_planned, micro_batch
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
-    names_replayed_after,
     plan,
     rematerialize,
 )
 from keras_autoshard.errors import PlanError
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
-    inspect_compiled,
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 from tests.parity import check_parity
@@ -43,25 +41,9 @@ MESH = MeshSpec((2, 4), ("batch", "model"))
 TOLERANCE = 0.15
 
 
-def _micro_batch(sharding_plan, data):
-    """The first of the plan's micro-batches of `data`."""
-    parts = sharding_plan.gradient_accumulation_steps
-    return jax.tree_util.tree_map(lambda a: a[: a.shape[0] // parts], data)
-
-
 def _compiled(sharding_plan, build, x, y):
-    distribution = PlanDistribution(sharding_plan)
-    steps = sharding_plan.gradient_accumulation_steps
-    x, y = _micro_batch(sharding_plan, x), _micro_batch(sharding_plan, y)
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        rematerialize(model, sharding_plan)
-        optimizer = keras.optimizers.Adam(
-            gradient_accumulation_steps=steps if steps > 1 else None
-        )
-        model.compile(optimizer=optimizer, loss="mse")
-    return inspect_compiled(
-        model, distribution, (x, y), compiler_options=MEMORY_SCHEDULE_ON_CPU
+    return compiled_as_planned(
+        sharding_plan, build, x, y, compiler_options=MEMORY_SCHEDULE_ON_CPU
     ).train_step
 
 
@@ -109,8 +91,8 @@ def test_a_budget_that_needs_rematerialization_is_met_by_the_compiled_step(name,
     check_parity(
         _rematerialized_under(fitted, build),
         PlanDistribution(fitted),
-        _micro_batch(fitted, x),
-        _micro_batch(fitted, y),
+        micro_batch(fitted, x),
+        micro_batch(fitted, y),
         steps=5,
         accumulation_steps=fitted.gradient_accumulation_steps,
     )
