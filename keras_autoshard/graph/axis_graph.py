@@ -325,6 +325,13 @@ class AxisGraph:
         layer_inputs: `(layer, tensor ids)`: the activations each top-level
             layer reads from outside its call (what a rematerialized call
             keeps).
+        unread: Parameters no equation reads (a backbone's unused output
+            table): their gradient is zero, which XLA folds into the
+            update, keeping no buffer for it.
+        param_readers: `(parameter id, layers)`: the top-level layers whose
+            equations read each parameter ("" for equations outside any
+            layer): its gradient exists once the backward pass reaches the
+            last of them in call order.
 
     Example:
 
@@ -351,6 +358,8 @@ class AxisGraph:
     workspaces: tuple[tuple[int, float], ...] = ()
     tensor_layers: tuple[str, ...] = ()
     layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    unread: tuple[int, ...] = ()
+    param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

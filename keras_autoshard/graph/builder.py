@@ -221,6 +221,8 @@ class _GraphBuilder:
         # > 0 while walking the body of a call whose own derivative rule
         # decides its residuals (a custom JVP call): its equations keep none.
         self.own_rule_depth = 0
+        # Tensor -> the top-level layers whose equations read it.
+        self.readers: dict[int, set[str]] = {}
 
     def _kept_after_fusion(self, within_layers: bool = False) -> tuple[Kept, ...]:
         """The residuals XLA materialises.
@@ -243,12 +245,24 @@ class _GraphBuilder:
         kept: dict[tuple[int, float], int] = {}
         layers: dict[tuple[int, float], set[str]] = {}
         roots_of: dict[int, tuple[int, ...]] = {}
+        producer = self.layers.producer
         for (tid, scale), times in self.residuals.items():
-            roots = self._fusion_roots(tid, roots_of, within_layers)
-            for root in roots:
-                key = (root, scale) if root == tid else (root, 1.0)
-                kept[key] = max(kept.get(key, 0), times)
-                layers.setdefault(key, set()).update(self.residual_layers[(tid, scale)])
+            keeping = self.residual_layers[(tid, scale)]
+            made_in = producer.get(self.view_of.get(tid, tid))
+            groups = [keeping]
+            if within_layers:
+                # Another layer call's output is materialised as it is.
+                groups = [g for g in (keeping - {made_in}, keeping & {made_in}) if g]
+            for by_layers in groups or [keeping]:
+                roots = (
+                    (tid,)
+                    if within_layers and made_in not in by_layers
+                    else self._fusion_roots(tid, roots_of, within_layers)
+                )
+                for root in roots:
+                    key = (root, scale) if root == tid else (root, 1.0)
+                    kept[key] = max(kept.get(key, 0), times)
+                    layers.setdefault(key, set()).update(by_layers)
         return tuple(
             Kept(t, scale, times, tuple(sorted(layers[(t, scale)])))
             for (t, scale), times in sorted(kept.items())
@@ -288,6 +302,8 @@ class _GraphBuilder:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
         a value kept by several equations, or through a view of it, once."""
         self.layers.record(eqn.ins, outs, self._is_activation)
+        for tid in eqn.ins:
+            self.readers.setdefault(tid, set()).add(self.layers.current)
         name = eqn.eqn.primitive.name
         if name in WORKSPACE_FACTORS and eqn.ins:
             self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
@@ -483,6 +499,14 @@ class _GraphBuilder:
             other_residual_bytes=self.other_residual_bytes,
             tensor_layers=self.layers.scopes(len(self.tensors)),
             layer_inputs=tuple(sorted(self.layers.outside_inputs().items())),
+            unread=tuple(
+                t.id for t in tensors if t.kind == "param" and t.id not in self.readers
+            ),
+            param_readers=tuple(
+                (t.id, tuple(sorted(self.readers[t.id])))
+                for t in tensors
+                if t.kind == "param" and t.id in self.readers
+            ),
         )
 
     def _mark_repeated_classes(self) -> None:

@@ -5,8 +5,8 @@ step under a given sharding; this module writes the same sum as one linear
 row of the search's program, so that the search only returns plans whose
 peak fits:
 
-- every variable's shard, and for trainable ones their gradient and
-  optimizer slots (FSDP storage cuts included);
+- every variable's shard, and for trainable ones their gradient (unless
+  no equation reads them) and optimizer slots (FSDP storage cuts included);
 - the activations kept for the backward pass under the chosen
   rematerialization, each cut like its tensor, and the gathered copies of
   the FSDP-cut weights it keeps;
@@ -20,6 +20,14 @@ peak fits:
 `T` is bounded by the largest activation of each set of axis classes (any
 sharding shrinks tensors of one class set alike, so that one is the set's
 largest on every device too).
+
+With layers rematerialized, this row is the envelope of the backward
+pass's stages (`remat.backward_stages`): every gradient counted beside the
+largest layer's recomputed residuals, as a schedule that runs each update
+last would hold them. The estimate reports the fullest stage, which is
+lower; the row leaves that difference as margin (measured on XLA:CPU: a
+schedule may also run weight-gradient matmuls late, keeping their
+operands, `tests/test_memory_estimate.py`).
 """
 
 from __future__ import annotations
@@ -76,11 +84,14 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
     train = options.job == "train"
     part = 1.0 / micro_batches
     copies = 2.0 + options.optimizer_slots + (1.0 if micro_batches > 1 else 0.0)
+    unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind == "state":
             add(tensor, True, 1.0)
         elif tensor.kind == "param":
-            add(tensor, True, copies if train else 1.0)
+            # An unread parameter's gradient is zero, folded by XLA.
+            gradient = 1.0 if tensor.id in unread else 0.0
+            add(tensor, True, copies - gradient if train else 1.0)
         elif tensor.kind == "input":
             add(tensor, False, part)
     if train:

@@ -9,7 +9,8 @@ rematerialized layers a device keeps:
 - every residual some non-rematerialized layer needs (`Kept.layers`);
 - the outside inputs of every rematerialized layer;
 - while one such layer runs its backward pass, its own residuals again (the
-  largest layer's, counted once).
+  largest layer's, counted once), and the gradients made so far
+  (`backward_stages`: the fullest stage is the peak).
 
 The planner offers whole families of repeated top-level layers (the
 `transformer_layer_0 … _N` of a backbone, found by name stem and call
@@ -17,6 +18,8 @@ order, not by what they are), largest saving first.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.symmetry import scope_stem
@@ -69,7 +72,85 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
         Residuals no tensor holds (`graph.other_residual_bytes`) are not
         included.
     """
-    terms: KeptTerms = []
+    held, recomputed = _held_and_recomputed(graph, remat)
+    if not recomputed:
+        return held
+    largest = max(
+        sorted(recomputed),
+        key=lambda layer: sum(graph.tensors[t].nbytes * f for t, f in recomputed[layer]),
+    )
+    return held + recomputed[largest]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardStage:
+    """What a device holds, besides the activations every stage holds,
+    while the backward pass runs one top-level layer (or, for `layer=""`,
+    once it has run them all).
+
+    Args:
+        layer: The layer whose backward pass runs ("" after the last).
+        recomputed: `(tensor id, bytes per tensor byte)` of the layer's own
+            residuals when it is rematerialized (else empty).
+        gradients: Parameters whose gradient exists by then (every layer
+            reading them is differentiated, or is this one).
+    """
+
+    layer: str
+    recomputed: KeptTerms
+    gradients: tuple[int, ...]
+
+
+def backward_stages(
+    graph: AxisGraph, remat: frozenset[str]
+) -> tuple[KeptTerms, list[BackwardStage]]:
+    """The backward pass of a step with `remat` rematerialized, layer by
+    layer in reverse call order, as a schedule for memory runs it.
+
+    Every stage holds what the step keeps outside rematerialized layers
+    and their inputs: XLA frees a kept activation after its last use, and a
+    schedule may run a weight-gradient matmul as late as the update that
+    reads it (measured on XLA:CPU: a block's MLP weight gradients ran after
+    the previous block's backward pass), so these are counted to the end.
+    A rematerialized layer's own residuals exist while its backward pass
+    runs; a parameter's gradient from the backward pass of the last layer
+    reading it (in call order; equations outside any layer count as last)
+    on, and an unread parameter has none.
+
+    Args:
+        graph: The model's axis graph.
+        remat: Names of the top-level layers rematerialized.
+
+    Returns:
+        `(held, stages)`: the `(tensor id, bytes per tensor byte)` every
+        stage holds, and one `BackwardStage` per top-level layer in call
+        order, then the stage after the last.
+    """
+    held, recomputed = _held_and_recomputed(graph, remat)
+    order = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+    position = {layer: i for i, layer in enumerate(order)}
+    last_reader = {
+        tid: max(position.get(layer, len(order)) for layer in layers)
+        for tid, layers in graph.param_readers
+    }
+    stages = [
+        BackwardStage(
+            layer=layer,
+            recomputed=recomputed.get(layer, []),
+            gradients=tuple(t for t, last in last_reader.items() if last >= at),
+        )
+        for at, layer in [*enumerate(order), (-1, "")]
+    ]
+    return held, stages
+
+
+def _held_and_recomputed(
+    graph: AxisGraph, remat: frozenset[str]
+) -> tuple[KeptTerms, dict[str, KeptTerms]]:
+    """What the step keeps throughout (residuals of layers not
+    rematerialized, inputs of those that are), and each rematerialized
+    layer's own residuals (less what is held anyway, its input)."""
+    held: KeptTerms = []
     recomputed: dict[str, KeptTerms] = {}
     residuals = graph.residuals_within_layers if remat else graph.residuals
     for kept in residuals:
@@ -79,24 +160,18 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
         if kept.layers and all(layer in remat for layer in kept.layers):
             recomputed.setdefault(kept.layers[0], []).append((kept.tensor, factor))
         else:
-            terms.append((kept.tensor, factor))
-    held = {tid for tid, factor in terms if factor >= 1.0}
+            held.append((kept.tensor, factor))
+    whole = {tid for tid, factor in held if factor >= 1.0}
     inputs = dict(graph.layer_inputs)
     for layer in sorted(remat):
         for tid in inputs.get(layer, ()):
-            if tid not in held:
-                terms.append((tid, 1.0))
-                held.add(tid)
-    result = terms
-    if recomputed:
-        largest = max(
-            sorted(recomputed),
-            key=lambda layer: sum(
-                graph.tensors[t].nbytes * f for t, f in recomputed[layer]
-            ),
-        )
-        result += recomputed[largest]
-    return result
+            if tid not in whole:
+                held.append((tid, 1.0))
+                whole.add(tid)
+    return held, {
+        layer: [(t, f) for t, f in terms if t not in whole]
+        for layer, terms in recomputed.items()
+    }
 
 
 def gathered_param_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:

@@ -52,7 +52,10 @@ class PlanEstimate:
 
     Args:
         parameter_bytes: Variables' local shards.
-        gradient_bytes: Gradients of the trainable variables.
+        gradient_bytes: Gradients of the trainable variables alive at the
+            peak (with layers rematerialized, those made before the
+            fullest stage of the backward pass; an unread variable has
+            none).
         optimizer_bytes: Optimizer slots of the trainable variables.
         activation_bytes: Values the backward pass keeps.
         data_bytes: The step's inputs and targets on one device.
