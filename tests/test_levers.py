@@ -36,8 +36,7 @@ def test_gradient_accumulation_is_chosen_only_when_nothing_else_fits():
     # The accumulator: one more copy of every trainable variable's shard
     # (all of this model's variables are trainable).
     assert (
-        accumulated.estimate.optimizer_bytes
-        == 3 * accumulated.estimate.parameter_bytes
+        accumulated.estimate.optimizer_bytes == 3 * accumulated.estimate.parameter_bytes
     )
     roundtrip = ShardingPlan.from_json(accumulated.to_json())
     assert roundtrip.gradient_accumulation_steps == steps

@@ -89,7 +89,8 @@ def test_explain_gives_role_and_reason_per_variable():
     text = plan.explain()
     assert "transformer_layer_0/self_attention/query/kernel" in text
     assert "heads (dim 1) on 'model'" in text
-    assert "Estimated per device" in text
+    assert "Estimated peak per device" in text
+    assert "Estimated communication per step" in text
 
 
 def test_rules_pin_part_of_the_plan_and_the_planner_fills_the_rest():

@@ -336,13 +336,15 @@ def evaluate(
     """
     sizes = {a.name: a.size for a in axes}
     param_bytes = grad_bytes = opt_bytes = 0.0
+    unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind not in ("param", "state"):
             continue
         shard = local_bytes(tensor, assignment, sizes)
         param_bytes += shard
         if tensor.kind == "param":
-            grad_bytes += shard
+            if tensor.id not in unread:
+                grad_bytes += shard
             opt_bytes += options.optimizer_slots * shard
     activation_bytes = kept_bytes(graph, assignment, sizes)
     by_axis = dict.fromkeys(sizes, 0.0)
@@ -361,6 +363,8 @@ def evaluate(
                 by_axis[target_axis] += local_bytes(tensor, assignment, sizes)
     for name, dims in assignment.fsdp.items():
         tensor = graph.param(name)
+        if tensor.id in unread:
+            continue  # nothing gathers it
         for _, axis in dims:
             by_axis[axis] += local_bytes(tensor, assignment, sizes)
     for exchange in table_exchanges(graph) if offers_table_exchanges(axes) else ():

@@ -116,7 +116,7 @@ def _listed(reasons: list[str], shown: int = 4) -> str:
     return text
 
 
-def variable_reason(tensor, spec, var_roles, assignment) -> str:
+def variable_reason(tensor, spec, var_roles, assignment, unread=False) -> str:
     parts = []
     fsdp_dims = {d for d, _ in assignment.fsdp.get(tensor.name, ())}
     for dim, axis in enumerate(spec):
@@ -124,6 +124,8 @@ def variable_reason(tensor, spec, var_roles, assignment) -> str:
         if axis is None:
             continue
         how = "FSDP storage" if dim in fsdp_dims else "follows the computation"
+        if unread and dim in fsdp_dims:
+            how = "stored cut for free (the step never reads it)"
         parts.append(f"{role} (dim {dim}) on {axis!r}: {how}")
     if not parts:
         return "replicated: sharding it would add communication or break no tie"
@@ -199,17 +201,22 @@ def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
                     "whole along it (replicated, or FSDP-sharded on another dim). "
                     "Pad the vocabulary to a multiple to shard it."
                 )
+    unread = [graph.tensors[t].name for t in graph.unread]
+    if unread:
+        notes.append(
+            f"{len(unread)} variable(s) no equation of the step reads (e.g. "
+            f"{unread[0]!r}): they get no gradient and are stored cut over "
+            "every axis they divide, at no communication cost."
+        )
     for name, count in graph.unknown_primitives:
         notes.append(
             f"Unknown primitive {name!r} ({count}x): its tensors' axes were left "
             "unsharded (conservative)."
         )
+    # The memory per device is the estimate's note (it counts the levers).
     notes.append(
-        f"Estimated per device: parameters {format_bytes(cost.parameter_bytes)}, "
-        f"gradients {format_bytes(cost.gradient_bytes)}, optimizer "
-        f"{format_bytes(cost.optimizer_bytes)}, activations "
-        f"{format_bytes(cost.activation_bytes)}; communication "
-        f"{format_bytes(cost.communication_bytes)} per step ("
+        f"Estimated communication per step and device: "
+        f"{format_bytes(cost.communication_bytes)} ("
         + ", ".join(
             f"{a} {format_bytes(b)}" for a, b in cost.communication_by_axis.items()
         )

@@ -460,6 +460,7 @@ def _build_plan(
 ):
     roles = class_roles(graph)
     by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
+    unread = set(graph.unread)
     entries = []
     for info in variables:
         tensor = by_name.get(info.path)
@@ -474,7 +475,9 @@ def _build_plan(
             reason = "replicated: not a floating-point tensor of the computation"
         else:
             spec = tensor_axes(tensor, assignment)
-            reason = variable_reason(tensor, spec, var_roles, assignment)
+            reason = variable_reason(
+                tensor, spec, var_roles, assignment, tensor.id in unread
+            )
         entries.append(
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )

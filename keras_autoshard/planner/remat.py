@@ -75,11 +75,10 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
     held, recomputed = _held_and_recomputed(graph, remat)
     if not recomputed:
         return held
-    largest = max(
-        sorted(recomputed),
-        key=lambda layer: sum(graph.tensors[t].nbytes * f for t, f in recomputed[layer]),
+    return held + max(
+        (recomputed[layer] for layer in sorted(recomputed)),
+        key=lambda terms: sum(graph.tensors[t].nbytes * f for t, f in terms),
     )
-    return held + recomputed[largest]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,11 +124,19 @@ class _Program:
             self.lp.add_row(row, upper=1.0)
 
     def add_fsdp_vars(self) -> None:
-        """`y[p, a, d]`: store parameter `p` cut over axis `a` along dim `d`."""
+        """`y[p, a, d]`: store parameter `p` cut over axis `a` along dim `d`.
+
+        A parameter no equation reads (`graph.unread`) is stored cut over
+        every axis a dim of it divides, unless a rule says otherwise:
+        nothing gathers it and its update is elementwise, so the cut is
+        free."""
+        unread = set(self.graph.unread)
         for tensor in self.graph.params():
             if tensor.name in self.pins.no_fsdp:
                 continue
             forced = {a: d for d, a in self.pins.fsdp.get(tensor.name, ())}
+            if tensor.id in unread and not forced and not self._pinned(tensor):
+                forced = _free_cut(tensor, self.axes)
             vars_by_dim: dict[int, list[int]] = {}
             for axis in self.axes:
                 dims = (
@@ -280,6 +288,9 @@ class _Program:
             for s, v in pattern.items()
         }
 
+    def _pinned(self, tensor: TensorNode) -> bool:
+        return any(c in self.pins.class_axis for c in tensor.dim_classes)
+
     def add_conditional_bytes(self, trigger: int, tensor: TensorNode, weight: float):
         """Cost weight × tensor bytes when `trigger` is 1 (AND-linearised)."""
         pattern = self.pattern(tensor, fsdp=False)
@@ -327,8 +338,11 @@ class _Program:
                     row[source] = 1.0
                 self.lp.add_row(row, lower=0.0)
                 self.add_conditional_bytes(fires, tensor, 1.0)
+        unread = set(self.graph.unread)
         for (name, axis), by_dim in self.y.items():
             tensor = self.graph.param(name)
+            if tensor.id in unread:
+                continue  # nothing gathers it
             pattern = self.pattern(tensor, fsdp=True)
             gathered = self.lp.add_var()  # this parameter is FSDP-cut over axis
             row = {gathered: 1.0}
@@ -539,6 +553,17 @@ def _eligible_classes(graph: AxisGraph) -> set[int]:
         grown = not reached <= eligible
         eligible |= reached
     return eligible
+
+
+def _free_cut(tensor: TensorNode, axes: tuple[MeshAxis, ...]) -> dict[str, int]:
+    """Axis name → dim: each axis, largest first, on the largest dim of
+    `tensor` it divides that no larger axis took."""
+    cut: dict[str, int] = {}
+    for axis in sorted(axes, key=lambda a: (-a.size, a.name)):
+        dims = [d for d in _fsdp_dims(tensor, axis.size) if d not in cut.values()]
+        if dims:
+            cut[axis.name] = max(dims, key=lambda d: (tensor.shape[d], -d))
+    return cut
 
 
 def _fsdp_dims(tensor: TensorNode, axis_size: int) -> list[int]:
