@@ -62,7 +62,7 @@ BENCHMARKS = {
             "plan_70b",
             "benchmarks.plan_70b",
             "planning-70b",
-            ("--mesh", "32x8", "--budget-gib", "none"),
+            ("--mesh", "32x8", "--hardware", "none"),
             "planning a Llama-2-70B-shaped model without weights: time and RSS",
         ),
         Benchmark(

@@ -164,3 +164,14 @@ def _check_section_name(name: str) -> None:
             f"Section name {name!r} is not allowed: use letters, digits, '_', "
             "'-' and '.', starting with a letter or digit."
         )
+
+
+def short_levers(sharding_plan) -> str:
+    """The plan's memory levers in a few words ("remat 77 layers,
+    accumulate 2"), "none" without any."""
+    parts = []
+    if sharding_plan.rematerialize:
+        parts.append(f"remat {len(sharding_plan.rematerialize)} layers")
+    if sharding_plan.gradient_accumulation_steps > 1:
+        parts.append(f"accumulate {sharding_plan.gradient_accumulation_steps}")
+    return ", ".join(parts) or "none"

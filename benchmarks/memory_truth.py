@@ -44,7 +44,11 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
-from benchmarks.markdown import markdown_table, write_section  # noqa: E402
+from benchmarks.markdown import (  # noqa: E402
+    markdown_table,
+    short_levers,
+    write_section,
+)
 from benchmarks.report import machine_description  # noqa: E402
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
 
@@ -200,7 +204,7 @@ def _remat_row(name, sharding_plan, build, x, policy: str) -> dict:
         "estimate": sharding_plan.estimate.to_dict(),
         "compiled_peak": compiled_peak_bytes(report.train_step.memory),
         "compiled_communication": report.train_step.operand_bytes(),
-        "levers": _short_levers(sharding_plan),
+        "levers": short_levers(sharding_plan),
     }
 
 
@@ -240,16 +244,6 @@ def lora_rows() -> list[dict]:
             }
         )
     return rows
-
-
-def _short_levers(sharding_plan) -> str:
-    """ "remat 77/80, accumulate 2" from a plan."""
-    parts = []
-    if sharding_plan.rematerialize:
-        parts.append(f"remat {len(sharding_plan.rematerialize)} layers")
-    if sharding_plan.gradient_accumulation_steps > 1:
-        parts.append(f"accumulate {sharding_plan.gradient_accumulation_steps}")
-    return ", ".join(parts) or "none"
 
 
 def plan_in_this_process(hub_class: str, config: str, mesh, batch: int, seq: int):
@@ -321,7 +315,7 @@ def real_size_rows() -> list[dict]:
             {
                 "model": name,
                 "mesh": f"{mesh[0]}x{mesh[1]}",
-                "levers": _short_levers(planned),
+                "levers": short_levers(planned),
                 "fits": PlanEstimate.from_dict(child["estimate"]).fits,
                 "batch": batch,
                 "seq": seq,
@@ -348,7 +342,7 @@ def _layout_summary(sharding_plan) -> str:
             if any(axis == s or (isinstance(s, tuple) and axis in s) for s in v.spec)
         )
         parts.append(f"{cut / total:.0%} of parameter bytes cut over {axis} ({size})")
-    parts.append(_short_levers(sharding_plan))
+    parts.append(short_levers(sharding_plan))
     return "; ".join(parts)
 
 

@@ -23,10 +23,10 @@ def main() -> None:
         help="data x model meshes, e.g. 32x8 16x16",
     )
     parser.add_argument(
-        "--budget-gib",
+        "--hardware",
         nargs="+",
-        default=["none", "16"],
-        help="per-device budgets for parameters + optimizer state ('none': no limit)",
+        default=["none", "h100-80gb"],
+        help="hardware profiles whose memory is the budget ('none': no budget)",
     )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seq", type=int, default=4096)
@@ -37,7 +37,7 @@ def main() -> None:
     import keras_hub
     import numpy as np
 
-    from benchmarks.markdown import write_section
+    from benchmarks.markdown import short_levers, write_section
     from keras_autoshard import MeshSpec
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.plans.plan_table import format_bytes
@@ -57,26 +57,29 @@ def main() -> None:
         "padding_mask": jax.ShapeDtypeStruct((args.batch, args.seq), np.int32),
     }
     rows, notes = [], []
-    cases = [(m, b) for m in args.mesh for b in args.budget_gib]
-    for mesh_text, budget_text in cases:
+    cases = [(m, h) for m in args.mesh for h in args.hardware]
+    for mesh_text, hardware in cases:
         data, model = (int(s) for s in mesh_text.split("x"))
         mesh = MeshSpec((data, model), ("batch", "model"))
-        budget = None if budget_text == "none" else int(float(budget_text) * 2**30)
+        profile = None if hardware == "none" else hardware
         start = time.perf_counter()
-        result = plan_with_cost(build, mesh, sample_input=inputs, memory_budget=budget)
+        result = plan_with_cost(build, mesh, sample_input=inputs, hardware=profile)
         seconds = time.perf_counter() - start
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        cost = result.cost
+        estimate = result.plan.estimate
+        budget = estimate.budget_bytes
         rows.append(
             f"| {mesh.describe()} | "
-            f"{'none' if budget is None else format_bytes(budget)} | "
+            f"{'none' if budget is None else f'{hardware}: {format_bytes(budget)}'} | "
             f"{format_bytes(result.plan.total_bytes())} | "
             f"{seconds:.1f} s | {format_bytes(peak_rss)} | "
-            f"{format_bytes(cost.parameter_bytes)} | "
-            f"{format_bytes(cost.gradient_bytes)} | "
-            f"{format_bytes(cost.optimizer_bytes)} | "
-            f"{format_bytes(cost.activation_bytes)} | "
-            f"{format_bytes(cost.communication_bytes)} |"
+            f"{format_bytes(estimate.parameter_bytes)} | "
+            f"{format_bytes(estimate.gradient_bytes)} | "
+            f"{format_bytes(estimate.optimizer_bytes)} | "
+            f"{format_bytes(estimate.activation_bytes)} | "
+            f"{format_bytes(estimate.peak_bytes)} | "
+            f"{short_levers(result.plan)} | "
+            f"{format_bytes(sum(estimate.communication_by_axis.values()))} |"
         )
         gqa = [n for n in result.plan.notes if "GQA" in n]
         notes += [
@@ -87,18 +90,22 @@ def main() -> None:
         "## Planning a Llama-2-70B-shaped model (no weights allocated)",
         "",
         f"Command: `python -m benchmarks.plan_70b --mesh {' '.join(args.mesh)} "
-        f"--budget-gib {' '.join(args.budget_gib)} --batch {args.batch} --seq "
-        f"{args.seq}` (one process, plans made one after the other; 2-core CPU). "
-        "The budget bounds parameters + optimizer state per device; with it "
-        "the planner adds FSDP-style sharding over the data axis. Activations "
-        "are estimated without rematerialisation. Peak RSS is the process's maximum "
-        "resident size so far, Python, JAX, Keras and KerasHub (with "
-        "TensorFlow) included.",
+        f"--hardware {' '.join(args.hardware)} --batch {args.batch} --seq "
+        f"{args.seq}` (one process, plans made one after the other; 2-core CPU; "
+        "float32). With a hardware profile its memory is the budget of the "
+        "whole peak (parameters, gradients, optimizer state, activations kept "
+        "for the backward pass, inputs, transients; plans fill at most 90 %): "
+        "the planner adds FSDP-style sharding over the data axis, "
+        "rematerializes layers and, last, accumulates gradients over "
+        "micro-batches. Without one nothing bounds the peak (the activations "
+        "are those of the whole batch, no rematerialization). Peak RSS is the "
+        "process's maximum resident size so far, Python, JAX, Keras and "
+        "KerasHub (with TensorFlow) included.",
         "",
         "| mesh | budget | parameters (total) | planning time | peak RSS | "
-        "params/device | grads/device | optimizer/device | activations/device "
-        "(estimate) | communication/step/device (estimate) |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "params/device | grads/device | optimizer/device | activations kept/device "
+        "| peak/device | levers | communication/step/device |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
         *rows,
     ]
     if notes:
