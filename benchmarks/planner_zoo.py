@@ -10,8 +10,8 @@ python -m benchmarks.planner_zoo [--quick] [--output BENCHMARKS.md]
 For every KerasHub backbone of the acceptance zoo (`benchmarks/zoo.py`: small
 configs, no downloads) and every mesh, each strategy is built, compiled,
 inspected and timed on 8 simulated host devices in this one process:
-`auto` (`AutoShardDistribution`, no budget), `auto_budget` (a per-device
-budget of 1.05 × (parameter + Adam bytes) ÷ devices), `handwritten` (the
+`auto` (`AutoShardDistribution`, no budget), `auto_budget` (a whole-peak
+budget leaving the state 1.05 × (parameter + Adam bytes) ÷ devices), `handwritten` (the
 Megatron plan of `keras_hub_megatron_plan`), `keras_hub_map` (the
 backbone's own `get_layout_map`, where it has one) and `single` (one device,
 the timing baseline). The results replace the `planner-zoo` section of the
@@ -62,6 +62,7 @@ from keras_autoshard import (  # noqa: E402
     names_replayed_after,
     plan,
 )
+from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
 
 SECTION_NAME = "planner-zoo"
@@ -81,12 +82,19 @@ QUICK_TIMED_STEPS = 2
 def auto_with_budget(
     build_model, mesh: MeshSpec, sample_input
 ) -> AutoShardDistribution:
-    """`AutoShardDistribution` with a budget of 1.05 × (P + O) ÷ devices.
+    """`AutoShardDistribution` under a whole-peak budget that leaves the
+    state (parameters and Adam's moments) 1.05 × its even share,
+    1.05 × (P + O) ÷ devices: the free plan's estimated peak with its own
+    parameters and optimizer state replaced by that share (and the
+    planner's headroom added back).
 
     The plan is tried first (no weights allocated) so that a budget no plan
     fits is reported as such instead of failing the whole run.
     """
-    budget = int(BUDGET_FACTOR * ADAM_COPIES * _parameter_bytes(build_model) / 8)
+    free = plan(build_model, mesh, sample_input=sample_input).estimate
+    state = BUDGET_FACTOR * ADAM_COPIES * _parameter_bytes(build_model) / 8
+    rest = free.peak_bytes - free.parameter_bytes - free.optimizer_bytes
+    budget = int((rest + state) / (1 - HEADROOM))
     try:
         plan(build_model, mesh, sample_input=sample_input, memory_budget=budget)
     except PlanError as error:
@@ -243,9 +251,11 @@ token-embedding table over the data axis along its hidden dim: XLA then \
 moves the lookup's activations, two all-to-alls of (b/data)·s·h, instead of \
 all-reducing the table's gradient). *auto params ÷ ideal* is the per-device parameter \
 bytes over (all parameter bytes ÷ 8). *auto_budget* is the collective bytes \
-with a budget of 1.05 × (parameters + Adam moments) ÷ 8 per device; \
-*budget state/device* is its measured parameter + optimizer bytes per \
-device (from the arrays' addressable shards) against that budget, and the \
+under a whole-peak budget that leaves the state 1.05 × (parameters + Adam \
+moments) ÷ 8 per device (the free plan's estimated peak with its own \
+parameters and optimizer state replaced by that share); *budget \
+state/device* is its measured parameter + optimizer bytes per device (from \
+the arrays' addressable shards) against that share, and the \
 second *÷ KerasHub map* compares its collective bytes to the KerasHub map. \
 Under the budget the planner pins the output of every layer whose \
 parameters it cuts for storage only (lookup and position tables), so XLA \
@@ -278,7 +288,7 @@ def _table_row(row: ZooRow) -> list[str]:
         f"{auto.parameter_bytes_per_device / ideal:.2f}",
         format_bytes(budget.collective_bytes) if budget else "n/a",
         (
-            f"{format_bytes(_state_bytes(budget))} ≤ {format_bytes(budget_bytes)}"
+            f"{format_bytes(_state_bytes(budget))} vs {format_bytes(budget_bytes)}"
             if budget
             else "n/a"
         ),
