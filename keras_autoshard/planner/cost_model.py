@@ -181,11 +181,26 @@ def kept_bytes(
     `half_as_single` counts 2-byte activations at 4 bytes: XLA:CPU runs
     bfloat16 and float16 arithmetic in float32 (its float normalisation), so
     a CPU program keeps them at that size."""
-    return graph.other_residual_bytes + sum(
+    return graph.other_residual_bytes + terms_bytes(
+        graph, kept_terms(graph, remat), assignment, sizes, half_as_single
+    )
+
+
+def terms_bytes(
+    graph: AxisGraph,
+    terms,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    half_as_single: bool = False,
+) -> float:
+    """Bytes one device holds of `(tensor id, bytes per tensor byte)`
+    activation terms, each cut like its tensor (see `kept_bytes` for
+    `half_as_single`)."""
+    return sum(
         local_bytes(graph.tensors[tid], assignment, sizes)
         * factor
         * widening(graph.tensors[tid], half_as_single)
-        for tid, factor in kept_terms(graph, remat)
+        for tid, factor in terms
     )
 
 

@@ -38,6 +38,7 @@ from keras_autoshard.planner.cost_model import (
     iteration_classes,
     kept_bytes,
     local_bytes,
+    terms_bytes,
     widening,
 )
 from keras_autoshard.planner.remat import backward_stages
@@ -123,11 +124,12 @@ def estimate_memory(
         ),
         default=0.0,
     )
-    outputs = sum(
-        local_bytes(graph.tensors[t], assignment, sizes)
-        * widening(graph.tensors[t], half_as_single)
-        for t in graph.outputs
-        if graph.tensors[t].requires_grad
+    outputs = terms_bytes(
+        graph,
+        [(t, 1.0) for t in graph.outputs if graph.tensors[t].requires_grad],
+        assignment,
+        sizes,
+        half_as_single,
     )
     # The loss's buffers (output minus target, its gradient) take the
     # output's cut (measured on XLA:CPU: a vocabulary-cut output of the
@@ -169,24 +171,20 @@ def _staged_peak(
     memory: every gradient counted with them overestimated the zoo's
     KerasHub layers by up to a fifth)."""
     part = 1.0 / micro_batches
-
-    def kept_of(terms) -> float:
-        return sum(
-            local_bytes(graph.tensors[tid], assignment, sizes)
-            * factor
-            * widening(graph.tensors[tid], half_as_single)
-            for tid, factor in terms
-        )
-
     held, stages = backward_stages(graph, remat)
-    always = graph.other_residual_bytes + kept_of(held)
+    always = graph.other_residual_bytes + terms_bytes(
+        graph, held, assignment, sizes, half_as_single
+    )
+    shard = {
+        tid: local_bytes(graph.tensors[tid], assignment, sizes)
+        for tid, _ in graph.param_readers
+    }
     best = (-1.0, 0.0, 0.0)
     for stage in stages:
-        kept = always + kept_of(stage.recomputed)
-        gradients = sum(
-            local_bytes(graph.tensors[tid], assignment, sizes)
-            for tid in stage.gradients
+        kept = always + terms_bytes(
+            graph, stage.recomputed, assignment, sizes, half_as_single
         )
+        gradients = sum(shard[tid] for tid in stage.gradients)
         best = max(best, (kept * part + gradients, kept, gradients))
     return best[1], best[2]
 
