@@ -166,6 +166,8 @@ def test_mlp_gradient_all_reduces_per_axis():
             "count": 1,
             "operand_bytes": gradient_bytes,
             "result_bytes": gradient_bytes,
+            # Ring all-reduce over 2 devices: 2 (2 - 1) / 2 of the bytes.
+            "ring_bytes": float(gradient_bytes),
         },
         {
             "kind": "all-reduce",
@@ -173,6 +175,7 @@ def test_mlp_gradient_all_reduces_per_axis():
             "count": 1,
             "operand_bytes": 8 * 16 * F32,
             "result_bytes": 8 * 16 * F32,
+            "ring_bytes": 2 * 3 / 4 * 8 * 16 * F32,
         },
     ]
 
@@ -830,4 +833,46 @@ def test_to_dict_is_json_ready():
         "result_shapes": ["f32[4]"],
         "source_target_pairs": [[0, 1], [1, 0]],
         "is_async": False,
+        "scattered_bytes": 0,
     }
+
+
+def _row_parallel(mesh, output_spec):
+    """A row-parallel matmul (contraction cut over "model") whose output is
+    laid out as `output_spec`, then used elementwise."""
+    x = _placed(mesh, (8, 16, 32), P(None, None, "model"))
+    w = _placed(mesh, (32, 32), P("model", None))
+
+    def layer(x, w):
+        out = jnp.einsum("bsh,hk->bsk", x, w)
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, output_spec))
+        return jnp.tanh(out) * 2.0
+
+    return _compiled_text(layer, x, w)
+
+
+def test_all_reduce_sliced_by_partition_counts_as_reduce_scatter():
+    mesh = _mesh((2, 4))
+    text = _row_parallel(mesh, P(None, "model", None))
+
+    (op,) = parse_collectives(text, (2, 4), AXES)
+
+    # XLA:CPU writes the reduce-scatter as an all-reduce whose readers keep
+    # this device's quarter of the tokens.
+    whole = 8 * 16 * 32 * F32
+    assert op.kind == "all-reduce"
+    assert op.operand_bytes == whole
+    assert op.scattered_bytes == whole
+    assert op.ring_bytes == 3 / 4 * whole
+
+
+def test_all_reduce_kept_whole_counts_twice_on_the_ring():
+    mesh = _mesh((2, 4))
+    text = _row_parallel(mesh, P(None, None, None))
+
+    (op,) = parse_collectives(text, (2, 4), AXES)
+
+    whole = 8 * 16 * 32 * F32
+    assert op.kind == "all-reduce"
+    assert op.scattered_bytes == 0
+    assert op.ring_bytes == 2 * 3 / 4 * whole

@@ -139,6 +139,14 @@ def _model_options() -> argparse.ArgumentParser:
         "layer names, comma-separated",
     )
     mesh.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="cut the token dim of the activations between tensor-parallel "
+        "regions over the tensor-parallel axis (Megatron-SP): those "
+        "activations shrink by its size, each all-reduce becomes a "
+        "reduce-scatter and an all-gather",
+    )
+    mesh.add_argument(
         "--job",
         choices=("train", "inference"),
         default="train",

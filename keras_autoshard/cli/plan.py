@@ -59,6 +59,7 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         hardware=getattr(args, "hardware", None),
         job=getattr(args, "job", "train"),
         rematerialize=getattr(args, "rematerialize", "auto"),
+        sequence_parallel=getattr(args, "sequence_parallel", False),
     )
     return result, sample
 

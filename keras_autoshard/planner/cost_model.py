@@ -64,10 +64,16 @@ class Assignment:
     Args:
         class_axis: Axis class id → mesh axis name.
         fsdp: Parameter name → ((dim, mesh axis), ...) storage-only sharding.
+        activation_cuts: Activation tensor id → ((dim, mesh axis), ...) cut
+            beyond its class's axis (sequence parallelism,
+            `planner/sequence_parallel.py`).
     """
 
     class_axis: Mapping[int, str]
     fsdp: Mapping[str, tuple[tuple[int, str], ...]] = dataclasses.field(
+        default_factory=dict
+    )
+    activation_cuts: Mapping[int, tuple[tuple[int, str], ...]] = dataclasses.field(
         default_factory=dict
     )
 
@@ -104,6 +110,9 @@ class PlannerOptions:
         rematerialize: `"auto"` (chosen only to fit the budget), `"none"`,
             `"all"` (every repeated-layer family) or a tuple of top-level
             layer names.
+        sequence_parallel: Cut the token dim of the activations between
+            tensor-parallel regions over the tensor-parallel axis
+            (`planner/sequence_parallel.py`).
     """
 
     memory_budget_bytes: int | None = None
@@ -115,6 +124,7 @@ class PlannerOptions:
     job: str = "train"
     minimize_peak: bool = False
     rematerialize: Any = "auto"
+    sequence_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +158,8 @@ def tensor_axes(tensor: TensorNode, assignment: Assignment) -> tuple[str | None,
     if tensor.kind in ("param", "state") and tensor.name in assignment.fsdp:
         for dim, axis in assignment.fsdp[tensor.name]:
             axes[dim] = axis
+    for dim, axis in assignment.activation_cuts.get(tensor.id, ()):
+        axes[dim] = axis
     return tuple(axes)
 
 

@@ -41,6 +41,12 @@ from keras_autoshard.planner.memory_model import (
 )
 from keras_autoshard.planner.remat import remat_families
 from keras_autoshard.planner.search import Pins, search
+from keras_autoshard.planner.sequence_parallel import (
+    SequenceCut,
+    sequence_cut,
+    with_sequence_cut,
+)
+from keras_autoshard.planner.sequence_parallel import describe as describe_sequence
 from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
 from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
@@ -57,6 +63,8 @@ class Candidate:
         cost: Its communication and state bytes (`cost_model.evaluate`).
         estimate: The full per-device estimate, levers listed.
         micro_batches: Gradient accumulation parts (1: none).
+        sequence: The sequence-parallel cut, already in `assignment`
+            (`None`: not asked for).
     """
 
     assignment: Assignment
@@ -64,6 +72,7 @@ class Candidate:
     cost: PlanCost
     estimate: PlanEstimate
     micro_batches: int = 1
+    sequence: SequenceCut | None = None
 
 
 class NoFit(Exception):
@@ -253,6 +262,11 @@ def _candidate(
     graph, axes, mesh, options, assignment, remat, micro_batches=1
 ) -> Candidate:
     chosen = frozenset(remat)
+    sequence = None
+    if options.sequence_parallel:
+        assignment = dataclasses.replace(assignment, activation_cuts={})
+        sequence = sequence_cut(graph, axes, assignment)
+        assignment = with_sequence_cut(assignment, sequence)
     cost = evaluate(graph, axes, assignment, options)
     memory = estimate_memory(
         graph,
@@ -284,9 +298,17 @@ def _candidate(
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
         levers=_describe_levers(
             remat, micro_batches, asked=options.rematerialize != "auto"
-        ),
+        )
+        + _sequence_levers(sequence, axes),
     )
-    return Candidate(assignment, tuple(remat), cost, estimate, micro_batches)
+    return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
+
+
+def _sequence_levers(sequence: SequenceCut | None, axes) -> tuple[str, ...]:
+    if sequence is None or not sequence.layers:
+        return ()
+    size = {a.name: a.size for a in axes}[sequence.axis]
+    return (describe_sequence(sequence, size) + ASKED,)
 
 
 def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:

@@ -21,22 +21,22 @@ from keras_autoshard.planner.cost_model import (
     MeshAxis,
     PlanCost,
     PlannerOptions,
-    storage_cut_only,
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
 from keras_autoshard.planner.levers import ASKED, Candidate, NoFit, choose_levers
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS
+from keras_autoshard.planner.output_layouts import output_layouts
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins
+from keras_autoshard.planner.sequence_parallel import SequenceCut
 from keras_autoshard.plans.estimate import usable_budget
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
-    ActivationLayout,
     MeshSpec,
     PlanError,
     PlanEstimate,
@@ -73,6 +73,7 @@ def plan(
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
+    sequence_parallel: bool = False,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -115,6 +116,14 @@ def plan(
             layer names. The plan's `rematerialize` lists the layers, which
             `AutoShardDistribution` (or `keras_autoshard.rematerialize`)
             checkpoints.
+        sequence_parallel: Cut the token dim of the activations between
+            tensor-parallel regions (norms, dropouts, the residual stream
+            of repeated layers) over the tensor-parallel axis, Megatron-SP:
+            each region's all-reduce becomes a reduce-scatter and an
+            all-gather (the same bytes on the wire) and those activations
+            shrink by the axis size. The plan pins the layer outputs it
+            needs (`plan.activations`); its notes name the layers it leaves
+            out and why (e.g. K/V projections not cut over the axis).
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -142,6 +151,7 @@ def plan(
         hardware=hardware,
         job=job,
         rematerialize=rematerialize,
+        sequence_parallel=sequence_parallel,
     ).plan
 
 
@@ -157,6 +167,7 @@ def plan_with_cost(
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
+    sequence_parallel: bool = False,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     if job not in JOBS:
@@ -205,6 +216,7 @@ def plan_with_cost(
             hardware=profile,
             job=job,
             rematerialize=_remat_request(rematerialize),
+            sequence_parallel=sequence_parallel,
         )
         best = None
         reasons = []
@@ -317,6 +329,7 @@ def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
         pinned_specs,
         chosen.estimate,
         chosen.remat,
+        chosen.sequence,
     )
     if chosen.micro_batches > 1:
         sharding_plan = dataclasses.replace(
@@ -457,6 +470,7 @@ def _build_plan(
     pinned,
     estimate=None,
     remat: tuple[str, ...] = (),
+    sequence: SequenceCut | None = None,
 ):
     roles = class_roles(graph)
     by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
@@ -482,13 +496,7 @@ def _build_plan(
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )
     batch_axis = _batch_axis(graph, assignment)
-    activations = _storage_cut_output_layouts(graph, assignment, pinned)
-    pin_notes = [
-        f"{a.path} pinned to {a.spec}: the layer's parameters are cut for "
-        "storage only, so its output is laid out once instead of carrying "
-        "their cut into every later layer."
-        for a in activations
-    ]
+    activations, pin_notes = output_layouts(graph, assignment, pinned, sequence)
     if estimate is not None:
         pin_notes.append(_memory_note(estimate))
     plan = ShardingPlan(
@@ -543,36 +551,6 @@ def _memory_note(estimate: PlanEstimate) -> str:
         f"Estimated peak per device {peak} EXCEEDS {budget} by {over} "
         f"({_parts(estimate)})." + levers
     )
-
-
-def _storage_cut_output_layouts(
-    graph: AxisGraph, assignment: Assignment, pinned
-) -> tuple[ActivationLayout, ...]:
-    """Pin the output of each layer whose parameters are cut for storage only.
-
-    A parameter cut for storage only (FSDP) is meant to be gathered where it
-    is used, the layer's output laid out like the plan's activations. Where
-    the parameter is not a matmul operand (a lookup table, a position table
-    added to the activations) the partitioner instead computes on the local
-    slice and carries that slice's cut into the residual stream, paying an
-    all-gather at every later use and an all-reduce in every norm (measured
-    on KerasHub Gemma on a 1x8 mesh: 8 all-gathers of the activation instead
-    of one; OPT's position table did the same along the sequence). So the
-    output of the layer owning such a parameter gets the plan's layout of
-    that output, read from the trace (Keras asks `"<layer path>/output"`).
-    A layer called more than once (a tied reverse projection) is pinned only
-    when every call's output has the same rank and planned layout.
-    """
-    layouts = {}
-    for tensor in graph.params():
-        if tensor.name in pinned or not storage_cut_only(tensor, assignment):
-            continue
-        layer_path = tensor.name.rpartition("/")[0]
-        outputs = graph.layer_outputs(layer_path) if layer_path else ()
-        specs = {tensor_axes(graph.tensors[t], assignment) for t in outputs}
-        if len(specs) == 1:
-            layouts[f"{layer_path}/output"] = specs.pop()
-    return tuple(ActivationLayout(path, spec) for path, spec in layouts.items())
 
 
 def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:

@@ -40,6 +40,10 @@ from keras_autoshard.report.hlo.replica_groups import (
     read_replica_groups,
     source_target_pairs,
 )
+from keras_autoshard.report.hlo.scatter import (
+    scattered_operand_bytes,
+    users_by_operand,
+)
 from keras_autoshard.report.hlo.text import (
     INDEX_COMMENT,
     ArrayShape,
@@ -89,6 +93,9 @@ class CollectiveOp:
         source_target_pairs: `(source, target)` device ids of a
             `collective-permute`; empty for the other kinds.
         is_async: Whether the op was printed as a `-start`/`-done` pair.
+        scattered_bytes: Of an all-reduce's `operand_bytes`, those whose
+            result every reader slices to this device's part: a
+            reduce-scatter as XLA:CPU writes it (`hlo/scatter.py`).
 
     Example:
 
@@ -110,6 +117,37 @@ class CollectiveOp:
     result_shapes: tuple[str, ...] = ()
     source_target_pairs: tuple[tuple[int, int], ...] = ()
     is_async: bool = False
+    scattered_bytes: int = 0
+
+    @property
+    def group_size(self) -> int:
+        """Devices in each replica group (1 when there are none)."""
+        return max((len(group) for group in self.replica_groups), default=1)
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes one device sends for this op under ring algorithms, the
+        measure of NCCL's bus bandwidth: an all-reduce of N bytes over g
+        devices sends 2(g-1)/g N, a reduce-scatter (an all-reduce whose
+        result is sliced, `scattered_bytes`) and an all-to-all (g-1)/g N,
+        an all-gather (g-1) times its shard, a permute its operand.
+
+        Example:
+
+        >>> op = CollectiveOp("all-gather", "ag", "main", 4, 16, ("f32[1]",),
+        ...                   ((0, 1, 2, 3),), ("model",))
+        >>> op.ring_bytes
+        12.0
+        """
+        g = self.group_size
+        if self.kind == "all-reduce":
+            whole = self.operand_bytes - self.scattered_bytes
+            return (g - 1) / g * (2 * whole + self.scattered_bytes)
+        if self.kind == "all-gather":
+            return float((g - 1) * self.operand_bytes)
+        if self.kind in ("reduce-scatter", "all-to-all", "ragged-all-to-all"):
+            return (g - 1) / g * self.operand_bytes
+        return float(self.operand_bytes)
 
     def to_dict(self) -> dict:
         """Returns the op as a JSON-serializable dict.
@@ -137,6 +175,7 @@ class CollectiveOp:
             "result_shapes": list(self.result_shapes),
             "source_target_pairs": [list(pair) for pair in self.source_target_pairs],
             "is_async": self.is_async,
+            "scattered_bytes": self.scattered_bytes,
         }
 
 
@@ -200,8 +239,9 @@ def summarize_collectives(ops: list[CollectiveOp]) -> list[dict]:
     Returns:
         One dict per `(kind, mesh_axes)` pair with keys `"kind"`,
         `"mesh_axes"` (a list, or `None` when not derivable), `"count"`, and
-        the per-device byte totals over the group, `"operand_bytes"` and
-        `"result_bytes"`; sorted by kind then mesh axes (`None` last).
+        the per-device byte totals over the group, `"operand_bytes"`,
+        `"result_bytes"` and `"ring_bytes"` (`CollectiveOp.ring_bytes`);
+        sorted by kind then mesh axes (`None` last).
 
     Example:
 
@@ -210,12 +250,13 @@ def summarize_collectives(ops: list[CollectiveOp]) -> list[dict]:
     >>> summarize_collectives([op, op])[0]["operand_bytes"]
     1024
     """
-    totals = collections.defaultdict(lambda: [0, 0, 0])
+    totals = collections.defaultdict(lambda: [0, 0, 0, 0.0])
     for op in ops:
         total = totals[(op.kind, op.mesh_axes)]
         total[0] += 1
         total[1] += op.operand_bytes
         total[2] += op.result_bytes
+        total[3] += op.ring_bytes
     keys = sorted(totals, key=lambda key: (key[0], key[1] is None, key[1] or ()))
     return [
         {
@@ -224,6 +265,7 @@ def summarize_collectives(ops: list[CollectiveOp]) -> list[dict]:
             "count": totals[(kind, mesh_axes)][0],
             "operand_bytes": totals[(kind, mesh_axes)][1],
             "result_bytes": totals[(kind, mesh_axes)][2],
+            "ring_bytes": totals[(kind, mesh_axes)][3],
         }
         for kind, mesh_axes in keys
     ]
@@ -261,6 +303,7 @@ def _computation_collectives(
     """
     shapes = {inst.name: inst.shape_text for inst in computation.instructions}
     done_shapes = _done_shapes(computation)
+    users = users_by_operand(computation.instructions)
     ops = []
     for instruction in computation.instructions:
         kind_and_async = _collective_kind(instruction.opcode)
@@ -268,7 +311,11 @@ def _computation_collectives(
             continue
         kind, is_async = kind_and_async
         context = OpContext(instruction, kind, is_async, computation.name, device_space)
-        ops.append(_build_op(context, shapes, done_shapes, mesh_shape, axis_names))
+        op = _build_op(context, shapes, done_shapes, mesh_shape, axis_names)
+        if kind == "all-reduce" and not is_async:
+            scattered = scattered_operand_bytes(instruction, users, op.group_size)
+            op = dataclasses.replace(op, scattered_bytes=scattered)
+        ops.append(op)
     return ops
 
 

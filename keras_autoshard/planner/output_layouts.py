@@ -1,0 +1,93 @@
+"""The layer outputs a plan pins (`ShardingPlan.activations`), and why.
+
+Keras asks the distribution for a layout of every layer's output
+(`Distribution.get_tensor_layout("<layer path>/output")`); the plan answers
+for two kinds of layers:
+
+- layers whose parameters are cut for storage only (`storage_cut_layouts`);
+- under sequence parallelism, every sub-layer of the layers it applies to
+  (`planner/sequence_parallel.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.cost_model import (
+    Assignment,
+    storage_cut_only,
+    tensor_axes,
+)
+from keras_autoshard.planner.sequence_parallel import SequenceCut, pinned_layouts
+from keras_autoshard.plans.layouts import ActivationLayout
+
+
+def output_layouts(
+    graph: AxisGraph,
+    assignment: Assignment,
+    pinned: Mapping[str, tuple],
+    sequence: SequenceCut | None = None,
+) -> tuple[tuple[ActivationLayout, ...], list[str]]:
+    """The plan's pinned layer outputs and a note for each reason.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The sharding (with its sequence cut, if any).
+        pinned: Variable path → spec fixed by user rules.
+        sequence: The sequence-parallel cut, if asked for.
+
+    Returns:
+        `(layouts, notes)`.
+    """
+    storage = storage_cut_layouts(graph, assignment, pinned)
+    notes = [
+        f"{path} pinned to {spec}: the layer's parameters are cut for "
+        "storage only, so its output is laid out once instead of carrying "
+        "their cut into every later layer."
+        for path, spec in storage.items()
+    ]
+    layouts = dict(storage)
+    if sequence is not None:
+        notes.extend(sequence.notes)
+        if sequence.layers:
+            by_path = pinned_layouts(graph, assignment, sequence)
+            layouts.update(by_path)
+            notes.append(
+                f"Sequence parallelism over {sequence.axis!r} in "
+                f"{len(sequence.layers)} layer call(s): {len(by_path)} layer "
+                "outputs pinned (the token dim cut between tensor-parallel "
+                "regions, each region's own layouts inside)."
+            )
+    activations = tuple(ActivationLayout(path, spec) for path, spec in layouts.items())
+    return activations, notes
+
+
+def storage_cut_layouts(
+    graph: AxisGraph, assignment: Assignment, pinned
+) -> dict[str, tuple[str | None, ...]]:
+    """Pin the output of each layer whose parameters are cut for storage only.
+
+    A parameter cut for storage only (FSDP) is meant to be gathered where it
+    is used, the layer's output laid out like the plan's activations. Where
+    the parameter is not a matmul operand (a lookup table, a position table
+    added to the activations) the partitioner instead computes on the local
+    slice and carries that slice's cut into the residual stream, paying an
+    all-gather at every later use and an all-reduce in every norm (measured
+    on KerasHub Gemma on a 1x8 mesh: 8 all-gathers of the activation instead
+    of one; OPT's position table did the same along the sequence). So the
+    output of the layer owning such a parameter gets the plan's layout of
+    that output, read from the trace (Keras asks `"<layer path>/output"`).
+    A layer called more than once (a tied reverse projection) is pinned only
+    when every call's output has the same rank and planned layout.
+    """
+    layouts = {}
+    for tensor in graph.params():
+        if tensor.name in pinned or not storage_cut_only(tensor, assignment):
+            continue
+        layer_path = tensor.name.rpartition("/")[0]
+        outputs = graph.layer_outputs(layer_path) if layer_path else ()
+        specs = {tensor_axes(graph.tensors[t], assignment) for t in outputs}
+        if len(specs) == 1:
+            layouts[f"{layer_path}/output"] = specs.pop()
+    return layouts
