@@ -66,6 +66,7 @@ def gpt2_plan(tmp_path_factory):
         "h100-80gb",
         "--rematerialize",
         "all",
+        "--sequence-parallel",
     )
     return result, paths
 
@@ -104,6 +105,13 @@ def test_plan_json_is_a_loadable_plan_for_the_requested_mesh(gpt2_plan):
         f"transformer_layer_{i}" for i in range(GPT2_CONFIG["num_layers"])
     )
     assert saved["recompute_flops"] > 0
+    # --sequence-parallel: the residual stream cut along the tokens.
+    assert any(lever.startswith("sequence parallelism") for lever in saved["levers"])
+    assert plan.activation("transformer_layer_1/output").spec == (
+        "batch",
+        "model",
+        None,
+    )
 
 
 def test_plan_png_is_a_nonempty_png_image(gpt2_plan):

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from keras_autoshard import (
+    AutoShardDistribution,
     MeshSpec,
     PlanDistribution,
     make_device_mesh,
@@ -234,4 +235,24 @@ def test_sequence_parallelism_that_cannot_apply_says_why(layers, shape, reason):
     assert not sequence_parallel.activations
     assert any(reason in note for note in sequence_parallel.notes), (
         sequence_parallel.notes
+    )
+
+
+def test_auto_shard_distribution_plans_with_sequence_parallelism_when_asked():
+    build = _blocks_model()
+    x, y = _dense_batch()
+    distribution = AutoShardDistribution(
+        MeshSpec((2, 4), ("batch", "model")), sequence_parallel=True
+    )
+
+    check_parity(build, distribution, x, y, steps=5)
+
+    assert any(
+        lever.startswith("sequence parallelism")
+        for lever in distribution.plan.estimate.levers
+    )
+    assert distribution.plan.activation("block_1/output").spec == (
+        "batch",
+        "model",
+        None,
     )

@@ -33,13 +33,16 @@ class AutoShardDistribution(Distribution):
             `None`, the planner picks a (data, model) mesh shape over all
             devices by cost.
         memory_budget: Per-device bytes (a number, or a string such as
-            `"16GiB"`) for parameters and optimizer state;
-            `None` means no limit.
+            `"16GiB"`) for the whole peak of a training step (`plan()`'s
+            `memory_budget`); `None`: the accelerators' memory, no limit
+            on simulated CPU devices.
         rules: Regular expression on variable path → spec, pinned; the
             planner fills in the rest.
         sample_input: A batch (or `jax.ShapeDtypeStruct`s) to plan with;
             otherwise the first batch the model sees is used.
         auto_shard_dataset: As in `keras.distribution.Distribution`.
+        sequence_parallel: Plan with sequence parallelism (`plan()`'s
+            `sequence_parallel`); JAX only.
 
     Example:
 

@@ -68,6 +68,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         rules: Mapping[str, Spec] | None = None,
         sample_input=None,
         auto_shard_dataset: bool = True,
+        sequence_parallel: bool = False,
     ):
         require_jax_backend("AutoShardDistribution")
         self._requested_mesh = _as_mesh_spec(device_mesh)
@@ -84,6 +85,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         self._memory_budget = optional_byte_size(memory_budget)
         self._rules = dict(rules) if rules else None
         self._sample_input = sample_input
+        self._sequence_parallel = sequence_parallel
         self._applied: PlanDistribution | None = None
         # Models planned by this distribution (weakly held: no model is kept
         # alive by having been planned) and those being planned right now.
@@ -133,6 +135,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 sample_input=sample_input,
                 memory_budget=self._memory_budget,
                 rules=self._rules,
+                sequence_parallel=self._sequence_parallel,
             )
         self._apply(plan, model)
         self._planned_models.add(model)
@@ -170,6 +173,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 sample_input=global_sample,
                 memory_budget=self._memory_budget,
                 rules=self._rules,
+                sequence_parallel=self._sequence_parallel,
             ).to_json()
         self._plans_shared += 1
         shared = multiprocess.share_text_from_process_0(

@@ -209,6 +209,8 @@ class TensorFlowAutoShardDistribution(AutoShardDistribution):
         sample_input: A batch for `prepare` when none is given there.
         auto_shard_dataset: Unused on TensorFlow (`tf.distribute` splits
             each batch); accepted for the same signature.
+        sequence_parallel: Must be `False`: there is no tensor-parallel
+            axis to cut activations over (a `PlanError` says so).
 
     Raises:
         TensorFlowModelParallelError: the mesh has a model axis larger than 1.
@@ -232,7 +234,15 @@ class TensorFlowAutoShardDistribution(AutoShardDistribution):
         rules: Mapping[str, Spec] | None = None,
         sample_input=None,
         auto_shard_dataset: bool = True,
+        sequence_parallel: bool = False,
     ):
+        if sequence_parallel:
+            raise PlanError(
+                "sequence_parallel=True cuts activations over a "
+                "tensor-parallel axis, and the TensorFlow backend runs data "
+                "parallel only. Use the JAX backend (KERAS_BACKEND=jax) for "
+                "sequence parallelism, or drop sequence_parallel."
+            )
         devices = keras.distribution.list_devices()
         self._mesh = data_parallel_mesh(device_mesh, len(devices))
         self._devices = tuple(devices[: self._mesh.device_count])
