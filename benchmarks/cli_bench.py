@@ -122,6 +122,14 @@ BENCHMARKS = {
             "estimated vs compiled peak memory per device; real sizes planned",
         ),
         Benchmark(
+            "sequence_parallel",
+            "benchmarks.sequence_parallel",
+            "sequence-parallel",
+            ("--models", "gpt2", "llama"),
+            "sequence parallelism against the same plan without: compiled "
+            "peak, ring bytes",
+        ),
+        Benchmark(
             "torch_loading",
             "benchmarks.torch_loading",
             "torch-loading",

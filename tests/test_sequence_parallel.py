@@ -14,11 +14,10 @@ On a (1, 4) and a (2, 4) mesh, a KerasHub GPT-2 backbone planned with
 
 And the rules that choose where it applies, on a transformer written here.
 Its compiled peak is lower with the default schedule only: scheduled for
-memory, XLA:CPU keeps each all-gathered norm output for the weight
-gradient (Megatron-SP gathers it again in the backward pass) and the
-sequence-parallel step peaks 14 % above the tensor-parallel one (measured
-on 2x4: 6.50 against 5.71 MiB of temporaries); GPT-2, whose dropouts keep
-more between the regions, gains under both.
+memory the sequence-parallel step needs 14 % more temporaries than the
+tensor-parallel one (measured on 2x4: 6.50 against 5.71 MiB), a loss
+BENCHMARKS.md "sequence parallelism" shows for Gemma and the zoo's
+subclassed model on 1x4 too; GPT-2 gains under both schedules.
 """
 
 import keras
