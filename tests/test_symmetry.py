@@ -65,6 +65,64 @@ def test_repeated_blocks_get_the_specs_of_the_first_even_under_a_tight_budget():
     assert _specs_by_block(tight) != _specs_by_block(free)  # the budget bit
 
 
+class AutoNamedBlock(keras.layers.Layer):
+    """The same block with its sub-layers left unnamed: Keras numbers them
+    across the model (`dense … dense_1` in the first copy, `dense_2 …` in
+    the next), and a subclassed model's paths start with its name."""
+
+    def __init__(self, width=64, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.up = keras.layers.Dense(4 * width, activation="gelu")
+        self.down = keras.layers.Dense(width)
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+        self.up.build(input_shape)
+        self.down.build(tuple(input_shape[:-1]) + (self.up.units,))
+
+    def call(self, x):
+        return x + self.down(self.up(self.norm(x)))
+
+
+class AutoNamedStack(keras.Model):
+    def __init__(self, count=4, width=64, **kwargs):
+        super().__init__(**kwargs)
+        self.stack = [AutoNamedBlock(width) for _ in range(count)]
+
+    def build(self, input_shape):
+        for block in self.stack:
+            block.build(input_shape)
+
+    def call(self, x):
+        for block in self.stack:
+            x = block(x)
+        return x
+
+
+def test_subclassed_copies_with_numbered_sub_layers_are_tied_in_order():
+    def build():
+        model = AutoNamedStack(name="stack")
+        model.build((None, 16, 64))
+        return model
+
+    x = np.zeros((8, 16, 64), "float32")
+    free = plan(build, MESH_2x4, x)
+    tight = plan(build, MESH_2x4, x, memory_budget=int(0.85 * free.estimate.peak_bytes))
+    for sharding_plan in (free, tight):
+        blocks = {}
+        for variable in sharding_plan.variables:
+            _, block, _, name = variable.path.split("/")
+            blocks.setdefault(block, []).append((name, variable.spec))
+        assert len(blocks) == 4
+        assert sharding_plan.variables[0].path.startswith("stack/auto_named_block/")
+        # In creation order: norm (gamma, beta), up, down; as the first copy.
+        first = blocks["auto_named_block"]
+        for name, specs in blocks.items():
+            assert specs == first, (name, specs, first)
+    assert tight.estimate.peak_bytes <= int(0.85 * free.estimate.peak_bytes)
+
+
 def test_flat_layers_of_one_shape_are_not_tied():
     def stack():
         inputs = keras.Input((16, 256))

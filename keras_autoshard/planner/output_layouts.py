@@ -19,6 +19,7 @@ from keras_autoshard.planner.cost_model import (
     storage_cut_only,
     tensor_axes,
 )
+from keras_autoshard.planner.layer_paths import keras_layer_path, keras_path_prefixes
 from keras_autoshard.planner.sequence_parallel import SequenceCut, pinned_layouts
 from keras_autoshard.plans.layouts import ActivationLayout
 
@@ -92,7 +93,7 @@ def storage_cut_layouts(
             continue
         # Looked up by the variable's own path: the trace scope of a layer
         # of a subclassed model lacks the model's name (see
-        # `keras_path_prefixes`), so such a model's layers are not pinned
+        # `layer_paths.py`), so such a model's layers are not pinned
         # (measured: pinning them raised the zoo's subclassed model's
         # compiled peak under rematerialization on 2x4 from 3.35 to 3.97 MB).
         layer_path = tensor.name.rpartition("/")[0]
@@ -101,37 +102,3 @@ def storage_cut_layouts(
         if len(specs) == 1:
             layouts[f"{layer_path}/output"] = specs.pop()
     return layouts
-
-
-def keras_path_prefixes(graph: AxisGraph) -> dict[str, str]:
-    """Top-level trace scope → what Keras puts before it in a layer path.
-
-    The trace runs the model's `call` (`stateless_call`), so its scopes
-    start at the top-level layers; Keras asks a layer's output layout by its
-    path, which for a subclassed model starts with the model's name
-    (`subclassed/block/dense`, as its variables' paths do) and for a
-    functional one does not. The variables tell which.
-
-    Args:
-        graph: The model's axis graph.
-
-    Returns:
-        The prefix (`""` or `"<model name>/"`) of each top-level scope that
-        owns a variable.
-    """
-    tops = {scope.partition("/")[0] for scope, _ in graph.scope_outputs}
-    prefixes: dict[str, str] = {}
-    for tensor in graph.tensors:
-        if tensor.kind not in ("param", "state") or not tensor.name:
-            continue
-        parts = tensor.name.split("/")
-        for index, part in enumerate(parts[:-1]):
-            if part in tops:
-                prefixes.setdefault(part, "".join(f"{p}/" for p in parts[:index]))
-                break
-    return prefixes
-
-
-def keras_layer_path(scope: str, prefixes: Mapping[str, str]) -> str:
-    """The path Keras gives the layer of trace scope `scope`."""
-    return prefixes.get(scope.partition("/")[0], "") + scope

@@ -188,7 +188,7 @@ def pinned_layouts(
 
     Returns:
         The layouts, in the order of `cut.pinned_scopes` (keyed by trace
-        scope: `output_layouts.keras_layer_path` gives the path Keras asks).
+        scope: `layer_paths.keras_layer_path` gives the path Keras asks).
     """
     scopes = _layer_scopes(graph)
     laid_out = dataclasses.replace(assignment, activation_cuts=dict(cut.cuts))

@@ -13,6 +13,13 @@ Only composite blocks are tied: a scope holding sub-layers (relative paths
 with a `/`), at least two parameters, and the same relative paths and shapes
 in every copy. Flat layers that merely share a shape (the `dense_1`,
 `dense_2` of an MLP) are not tied: Megatron alternates them.
+
+A subclassed model's blocks differ in their sub-layers' names, which Keras
+numbers across the model (`block/dense … dense_5`, `block_1/dense_6 …
+dense_11`), and their paths start with the model's name
+(`layer_paths.py`): such copies are tied parameter by parameter in the
+order the trace reads them, when their paths less those numbers and their
+shapes agree in that order.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ import re
 from collections import defaultdict
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
+from keras_autoshard.planner.layer_paths import split_variable_path, top_level_scopes
 
 _INDEXED_SCOPE = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
+# The number Keras appends to a repeated layer name: `dense_6` in `dense_6/kernel`.
+_NUMBERED = re.compile(r"_\d+(?=/|$)")
 
 
 def scope_stem(scope: str) -> str:
@@ -60,10 +70,11 @@ def repeated_blocks(graph: AxisGraph) -> list[list[list[TensorNode]]]:
     by_scope: dict[tuple[str, str], dict[int, dict[str, TensorNode]]] = defaultdict(
         lambda: defaultdict(dict)
     )
+    tops = top_level_scopes(graph)
     for tensor in graph.tensors:
         if tensor.kind not in ("param", "state") or not tensor.name:
             continue
-        head, _, rest = tensor.name.partition("/")
+        head, _, rest = split_variable_path(tensor.name, tops)[1].partition("/")
         if "/" not in rest:
             continue
         stem, index = scope_stem(head), scope_index(head)
@@ -72,16 +83,31 @@ def repeated_blocks(graph: AxisGraph) -> list[list[list[TensorNode]]]:
     for blocks in by_scope.values():
         if len(blocks) < 2:
             continue
-        indices = sorted(blocks)
-        first = blocks[indices[0]]
-        layout = sorted((rest, t.shape) for rest, t in first.items())
-        if len(layout) < 2:
-            continue
-        if any(
-            sorted((rest, t.shape) for rest, t in blocks[i].items()) != layout
-            for i in indices[1:]
-        ):
-            continue
-        order = [rest for rest, _ in layout]
-        families.append([[blocks[i][rest] for rest in order] for i in indices])
+        ordered = [blocks[i] for i in sorted(blocks)]
+        family = _tied_by_name(ordered) or _tied_by_position(ordered)
+        if family:
+            families.append(family)
     return families
+
+
+def _tied_by_name(blocks: list[dict[str, TensorNode]]) -> list[list[TensorNode]]:
+    layout = sorted((rest, t.shape) for rest, t in blocks[0].items())
+    if len(layout) < 2 or any(
+        sorted((rest, t.shape) for rest, t in block.items()) != layout
+        for block in blocks[1:]
+    ):
+        return []
+    order = [rest for rest, _ in layout]
+    return [[block[rest] for rest in order] for block in blocks]
+
+
+def _tied_by_position(
+    blocks: list[dict[str, TensorNode]],
+) -> list[list[TensorNode]]:
+    def signature(block):
+        return [(_NUMBERED.sub("", rest), t.shape) for rest, t in block.items()]
+
+    first = signature(blocks[0])
+    if len(first) < 2 or any(signature(block) != first for block in blocks[1:]):
+        return []
+    return [list(block.values()) for block in blocks]
