@@ -31,6 +31,7 @@ from keras_autoshard import (
     make_device_mesh,
     names_replayed_after,
     plan,
+    rematerialize,
 )
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
@@ -128,6 +129,30 @@ def test_sequence_parallel_lowers_the_compiled_peak_at_the_same_wire_bytes(shape
     assert not any(op.kind == "all-to-all" for op in with_sequence.collectives)
 
     check_parity(_gpt2, _distribution(sequence_parallel), x, y, steps=5)
+
+
+def test_sequence_parallel_with_every_layer_rematerialized_trains_like_one_device():
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    x, y = _batch()
+    remat_only = plan(_gpt2, mesh, x, rematerialize="all")
+    both = plan(_gpt2, mesh, x, sequence_parallel=True, rematerialize="all")
+    assert both.rematerialize == remat_only.rematerialize
+
+    def build_for(sharding_plan):
+        def build():
+            model = _gpt2()
+            if keras.distribution.distribution() is not None:
+                rematerialize(model, sharding_plan)
+            return model
+
+        return build
+
+    without = _compiled_model(
+        build_for(remat_only), remat_only, x, y, MEMORY_SCHEDULE_ON_CPU
+    )
+    with_sequence = _compiled_model(build_for(both), both, x, y, MEMORY_SCHEDULE_ON_CPU)
+    _assert_lower_peak_at_the_same_wire_bytes(without, with_sequence)
+    check_parity(build_for(both), _distribution(both), x, y, steps=5)
 
 
 class _Block(keras.layers.Layer):

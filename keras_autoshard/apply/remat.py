@@ -12,8 +12,13 @@ class or module is changed) that traces only the array arguments and keeps
 Python values (`training`, `None`, flags) static.
 
 A layer whose call draws random numbers while training (dropout with a
-non-zero rate) cannot be rematerialized this way: the seed update inside the
-checkpoint would escape it. Such a layer raises when called.
+non-zero rate) advances its seed generator, a state update Keras records in
+the step's `StatelessScope`; inside the checkpoint that update is a value of
+the checkpoint's own trace, which would escape it (JAX's
+`UnexpectedTracerError`). The checkpointed call therefore returns the state
+updates (and losses) its layers record as outputs of the checkpoint and
+records them again outside it; the recomputation in the backward pass reads
+the same seed, so it draws the same dropout masks.
 """
 
 from __future__ import annotations
@@ -74,23 +79,68 @@ def rematerialize(model: keras.Model, plan: ShardingPlan | Sequence[str]) -> Non
 
 def _checkpointed(call):
     import jax
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     @functools.wraps(call)
     def checkpointed_call(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
+        scope = get_stateless_scope()
+        recorded = _ScopeRecord(scope)
 
         def run(*arrays):
             filled = list(leaves)
             for index, array in zip(traced, arrays):
                 filled[index] = array
             inner_args, inner_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
-            return call(*inner_args, **inner_kwargs)
+            outputs = call(*inner_args, **inner_kwargs)
+            return outputs, recorded.take_inner()
 
-        return jax.checkpoint(run)(*(leaves[i] for i in traced))
+        outputs, inner = jax.checkpoint(run)(*(leaves[i] for i in traced))
+        recorded.put_outer(inner)
+        return outputs
 
     checkpointed_call._keras_autoshard_checkpointed = True
     return checkpointed_call
+
+
+class _ScopeRecord:
+    """The state updates and losses a checkpointed call records in the
+    step's `StatelessScope`, carried out of the checkpoint (see the module
+    docstring)."""
+
+    def __init__(self, scope):
+        self.scope = scope
+        self.before = dict(scope.state_mapping) if scope is not None else {}
+        self.losses_before = len(scope.losses) if scope is not None else 0
+        self.updated: list[int] = []
+
+    def take_inner(self) -> tuple[tuple, tuple]:
+        """Inside the checkpoint: remove what the call recorded, return it."""
+        if self.scope is None:
+            return (), ()
+        mapping = self.scope.state_mapping
+        self.updated = [
+            key for key, value in mapping.items() if self.before.get(key) is not value
+        ]
+        values = tuple(mapping[key] for key in self.updated)
+        for key in self.updated:
+            if key in self.before:
+                mapping[key] = self.before[key]
+            else:
+                del mapping[key]
+        losses = tuple(self.scope.losses[self.losses_before :])
+        del self.scope.losses[self.losses_before :]
+        return values, losses
+
+    def put_outer(self, inner: tuple[tuple, tuple]) -> None:
+        """Outside the checkpoint: record its outputs in the scope again."""
+        if self.scope is None:
+            return
+        values, losses = inner
+        for key, value in zip(self.updated, values):
+            self.scope.state_mapping[key] = value
+        self.scope.losses.extend(losses)
 
 
 def _is_array(value) -> bool:
