@@ -52,6 +52,11 @@ def test_mlp_report_has_exactly_the_megatron_collectives():
         == _expected_param_bytes_per_device() + FP32
     )
     assert train.count() == 3
+    # On a ring, each all-reduce over the 4 model devices sends 2 * 3/4 of
+    # the activation (the MLP's output stays whole: nothing is scattered).
+    assert train.ring_bytes("all-reduce", ("model",)) == 2 * (2 * 3 / 4) * (
+        ACTIVATION_BYTES
+    )
 
 
 def test_report_parameter_and_optimizer_bytes_match_the_plan():
@@ -77,6 +82,8 @@ def test_report_serialises_to_json_and_prints_a_table():
     text = report.table()
     assert "train_step" in text and "forward_step" in text
     assert "all-reduce" in text
+    assert "ring bytes sent/device" in text
+    assert by_axes[("model",)]["ring_bytes"] == 2 * (2 * 3 / 4) * ACTIVATION_BYTES
 
 
 def test_inspect_compiled_plans_an_auto_shard_distribution_on_the_sample_batch():

@@ -82,6 +82,11 @@ class CompiledStep:
         """Per-device operand bytes summed over the selected collectives."""
         return sum(op.operand_bytes for op in self.select(kind, mesh_axes))
 
+    def ring_bytes(self, kind: str | None = None, mesh_axes=None) -> float:
+        """Bytes one device sends for the selected collectives under ring
+        algorithms (`CollectiveOp.ring_bytes`)."""
+        return sum(op.ring_bytes for op in self.select(kind, mesh_axes))
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledReport:
@@ -179,6 +184,7 @@ def _collective_table(step: CompiledStep) -> Table:
     table.add_column("mesh axes")
     table.add_column("count", justify="right")
     table.add_column("operand bytes/device", justify="right")
+    table.add_column("ring bytes sent/device", justify="right")
     for row in summarize_collectives(step.collectives):
         axes = row["mesh_axes"]
         table.add_row(
@@ -186,8 +192,15 @@ def _collective_table(step: CompiledStep) -> Table:
             "?" if axes is None else ",".join(axes),
             str(row["count"]),
             format_bytes(row["operand_bytes"]),
+            format_bytes(row["ring_bytes"]),
         )
-    table.add_row("total", "", str(step.count()), format_bytes(step.operand_bytes()))
+    table.add_row(
+        "total",
+        "",
+        str(step.count()),
+        format_bytes(step.operand_bytes()),
+        format_bytes(step.ring_bytes()),
+    )
     return table
 
 
