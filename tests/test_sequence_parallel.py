@@ -280,3 +280,32 @@ def test_auto_shard_distribution_plans_with_sequence_parallelism_when_asked():
         "model",
         None,
     )
+
+
+def test_auto_chooses_sequence_parallelism_before_rematerialization_to_fit():
+    from keras_autoshard.plans.estimate import HEADROOM
+
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    x, y = _batch()
+    tensor_parallel = plan(_gpt2, mesh, x)
+    sequence_parallel = plan(_gpt2, mesh, x, sequence_parallel=True)
+    # A budget the sequence-parallel plan fits and the plain one does not,
+    # even with its parameters cut for storage.
+    usable = 0.85 * tensor_parallel.estimate.peak_bytes
+    assert sequence_parallel.estimate.peak_bytes <= usable
+    budget = int(usable / (1 - HEADROOM))
+
+    fitted = plan(_gpt2, mesh, x, memory_budget=budget, sequence_parallel="auto")
+    assert not fitted.rematerialize, fitted.estimate.levers
+    (lever,) = fitted.estimate.levers
+    assert lever.startswith("sequence parallelism") and "asked for" not in lever
+    assert any("Chosen to fit: sequence parallelism" in n for n in fitted.notes)
+    assert fitted.estimate.peak_bytes <= usable
+    # Without it, the same budget costs recomputation.
+    assert plan(_gpt2, mesh, x, memory_budget=budget).rematerialize
+
+    compiled = _compiled_model(_gpt2, fitted, x, y)
+    assert compiled_peak_bytes(compiled.memory) <= budget
+
+    with pytest.raises(ValueError, match="sequence_parallel='sometimes'"):
+        plan(_gpt2, mesh, x, sequence_parallel="sometimes")

@@ -140,11 +140,15 @@ def _model_options() -> argparse.ArgumentParser:
     )
     mesh.add_argument(
         "--sequence-parallel",
-        action="store_true",
-        help="cut the token dim of the activations between tensor-parallel "
-        "regions over the tensor-parallel axis (Megatron-SP): those "
-        "activations shrink by its size, each all-reduce becomes a "
-        "reduce-scatter and an all-gather",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("on", "off", "auto"),
+        help="on (the flag alone): cut the token dim of the activations "
+        "between tensor-parallel regions over the tensor-parallel axis "
+        "(Megatron-SP): those activations shrink by its size, each all-reduce "
+        "becomes a reduce-scatter and an all-gather; auto: only where the "
+        "budget needs it; off (default)",
     )
     mesh.add_argument(
         "--job",

@@ -40,6 +40,10 @@ def model_source(args: argparse.Namespace) -> ModelSource:
     return keras_file_source(args.keras_file)
 
 
+# --sequence-parallel's values, as `plan(sequence_parallel=...)` takes them.
+SEQUENCE_PARALLEL = {"on": True, "off": False, "auto": "auto"}
+
+
 def make_plan(args: argparse.Namespace, source: ModelSource):
     """Plan the model as the options ask; returns `(PlanningResult, sample)`."""
     from keras_autoshard.planner.planner import plan_with_cost
@@ -59,7 +63,7 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         hardware=getattr(args, "hardware", None),
         job=getattr(args, "job", "train"),
         rematerialize=getattr(args, "rematerialize", "auto"),
-        sequence_parallel=getattr(args, "sequence_parallel", False),
+        sequence_parallel=SEQUENCE_PARALLEL[getattr(args, "sequence_parallel", "off")],
     )
     return result, sample
 

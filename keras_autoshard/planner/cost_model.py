@@ -112,7 +112,8 @@ class PlannerOptions:
             layer names.
         sequence_parallel: Cut the token dim of the activations between
             tensor-parallel regions over the tensor-parallel axis
-            (`planner/sequence_parallel.py`).
+            (`planner/sequence_parallel.py`): `True`, `False`, or `"auto"`
+            (only where the plan does not fit without it).
     """
 
     memory_budget_bytes: int | None = None
@@ -124,7 +125,7 @@ class PlannerOptions:
     job: str = "train"
     minimize_peak: bool = False
     rematerialize: Any = "auto"
-    sequence_parallel: bool = False
+    sequence_parallel: Any = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,6 +175,7 @@ def choose_levers(
     choices = remat_options(graph, options.job, options.rematerialize)
     # Trim rematerialization to the fewest layers only when it was chosen.
     trim = options.rematerialize == "auto"
+    sequence_modes = sequence_parallel_modes(options.sequence_parallel, options.job)
     searched = options
     if options.memory_budget_bytes is not None:
         searched = dataclasses.replace(
@@ -182,7 +183,7 @@ def choose_levers(
             memory_budget_bytes=usable_budget(options.memory_budget_bytes),
         )
 
-    def attempt(remat, micro_batches=1) -> Candidate | None:
+    def attempt(remat, sequence, micro_batches=1) -> Candidate | None:
         try:
             assignment = search(
                 graph, axes, searched, pins, frozenset(remat), micro_batches
@@ -190,9 +191,16 @@ def choose_levers(
         except InfeasibleError:
             if options.memory_budget_bytes is None:
                 raise
-            return None
+            if not sequence:
+                return None
+            # The search's budget knows nothing of sequence parallelism:
+            # cut the tokens of the least-communication sharding instead.
+            unbounded = dataclasses.replace(searched, memory_budget_bytes=None)
+            assignment = search(
+                graph, axes, unbounded, pins, frozenset(remat), micro_batches
+            )
         candidate = _candidate(
-            graph, axes, mesh, options, assignment, remat, micro_batches
+            graph, axes, mesh, options, assignment, remat, micro_batches, sequence
         )
         if not _fits(candidate):
             return None
@@ -202,26 +210,29 @@ def choose_levers(
 
     fitting: list[Candidate] = []
     for remat in choices:
-        candidate = attempt(remat)
-        if candidate is None:
-            continue
-        if options.hardware is None:
-            return candidate
-        fitting.append(candidate)
+        for sequence in sequence_modes:
+            candidate = attempt(remat, sequence)
+            if candidate is None:
+                continue
+            if options.hardware is None:
+                return candidate
+            fitting.append(candidate)
     if fitting:
         return min(fitting, key=lambda c: c.estimate.step_time_s or 0.0)
     peak_options = dataclasses.replace(
         options, memory_budget_bytes=None, minimize_peak=True
     )
     assignment = search(graph, axes, peak_options, pins, frozenset(choices[-1]))
-    best = _candidate(graph, axes, mesh, options, assignment, choices[-1])
+    best = _candidate(
+        graph, axes, mesh, options, assignment, choices[-1], 1, sequence_modes[-1]
+    )
     if _fits(best):
         if not trim:
             return best
         return _fewest_layers(graph, axes, mesh, options, best, choices)
     # Only when nothing else fits: gradient accumulation over micro-batches.
     for micro_batches in accumulation_options(graph, axes, options.job):
-        candidate = attempt(choices[-1], micro_batches)
+        candidate = attempt(choices[-1], sequence_modes[-1], micro_batches)
         if candidate is not None:
             return candidate
     raise NoFit(best, _suggestions(graph, mesh, best.estimate))
@@ -259,11 +270,18 @@ def _fits(candidate: Candidate) -> bool:
 
 
 def _candidate(
-    graph, axes, mesh, options, assignment, remat, micro_batches=1
+    graph,
+    axes,
+    mesh,
+    options,
+    assignment,
+    remat,
+    micro_batches=1,
+    sequence_parallel=False,
 ) -> Candidate:
     chosen = frozenset(remat)
     sequence = None
-    if options.sequence_parallel:
+    if sequence_parallel:
         assignment = dataclasses.replace(assignment, activation_cuts={})
         sequence = sequence_cut(graph, axes, assignment)
         assignment = with_sequence_cut(assignment, sequence)
@@ -299,16 +317,45 @@ def _candidate(
         levers=_describe_levers(
             remat, micro_batches, asked=options.rematerialize != "auto"
         )
-        + _sequence_levers(sequence, axes),
+        + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
     )
     return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
 
 
-def _sequence_levers(sequence: SequenceCut | None, axes) -> tuple[str, ...]:
+def _sequence_levers(
+    sequence: SequenceCut | None, axes, asked: bool
+) -> tuple[str, ...]:
     if sequence is None or not sequence.layers:
         return ()
     size = {a.name: a.size for a in axes}[sequence.axis]
-    return (describe_sequence(sequence, size) + ASKED,)
+    return (describe_sequence(sequence, size) + (ASKED if asked else ""),)
+
+
+SEQUENCE_PARALLEL_REQUESTS = (False, True, "auto")
+
+
+def sequence_parallel_modes(request, job: str) -> tuple[bool, ...]:
+    """Sequence-parallel options to try, in order.
+
+    Args:
+        request: `False`, `True`, or `"auto"` (only where the plan without it
+            does not fit: tried before each rematerialization option, as it
+            recomputes nothing).
+        job: `"train"` or `"inference"`.
+
+    Returns:
+        `(False,)`, `(True,)` or `(False, True)`.
+
+    Raises:
+        ValueError: For another request.
+    """
+    if request not in SEQUENCE_PARALLEL_REQUESTS or request is None:
+        raise ValueError(
+            f"sequence_parallel={request!r}: use one of {SEQUENCE_PARALLEL_REQUESTS}."
+        )
+    if request == "auto":
+        return (False, True)
+    return (bool(request),)
 
 
 def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
@@ -330,6 +377,7 @@ def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
             candidate.assignment,
             kept_families + family[:middle],
             candidate.micro_batches,
+            candidate.sequence is not None,
         )
         if not _fits(trial):
             low = middle + 1

@@ -24,7 +24,13 @@ from keras_autoshard.planner.cost_model import (
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
-from keras_autoshard.planner.levers import ASKED, Candidate, NoFit, choose_levers
+from keras_autoshard.planner.levers import (
+    ASKED,
+    Candidate,
+    NoFit,
+    choose_levers,
+    sequence_parallel_modes,
+)
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS
 from keras_autoshard.planner.output_layouts import output_layouts
@@ -73,7 +79,7 @@ def plan(
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -124,6 +130,9 @@ def plan(
             shrink by the axis size. The plan pins the layer outputs it
             needs (`plan.activations`); its notes name the layers it leaves
             out and why (e.g. K/V projections not cut over the axis).
+            `"auto"`: only where the plan does not fit the budget without
+            it, tried before each rematerialization option (it recomputes
+            nothing).
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -167,11 +176,12 @@ def plan_with_cost(
     hardware: str | HardwareProfile | None = None,
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     if job not in JOBS:
         raise ValueError(f"job={job!r}: use one of {JOBS}.")
+    sequence_parallel_modes(sequence_parallel, job)  # checks the request
     profile = hardware_profile(hardware) if hardware is not None else None
     memory_budget = optional_byte_size(memory_budget)
     budget_asked = memory_budget is not None
