@@ -174,4 +174,7 @@ def short_levers(sharding_plan) -> str:
         parts.append(f"remat {len(sharding_plan.rematerialize)} layers")
     if sharding_plan.gradient_accumulation_steps > 1:
         parts.append(f"accumulate {sharding_plan.gradient_accumulation_steps}")
+    levers = sharding_plan.estimate.levers if sharding_plan.estimate else ()
+    if any(lever.startswith("sequence parallelism") for lever in levers):
+        parts.append("sequence parallel")
     return ", ".join(parts) or "none"

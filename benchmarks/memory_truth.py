@@ -19,8 +19,9 @@ python -m benchmarks.memory_truth [--output BENCHMARKS.md] [--skip-real-sizes]
    estimate for a CPU plan counts it so.
 2. Real sizes, no weights allocated, each planned in a fresh process on
    this machine with the H100-80GB profile: Llama-2-70B (batch 256 × 4096) on
-   32x8, Llama-3-8B (32 × 8192) on 1x8, Mixtral-8x7B (64 × 4096) on 8x8,
-   Llama-3.1-405B (512 × 4096) on 64x8: planning time, peak RSS, the
+   32x8 (also with `sequence_parallel="auto"`), Llama-3-8B (32 × 8192) on
+   1x8, Mixtral-8x7B (64 × 4096) on 8x8, Llama-3.1-405B (512 × 4096) on
+   64x8: planning time, peak RSS, the
    estimated peak against the budget, communication, step time.
 
 Rows replace the `memory-truth` section of the output file.
@@ -68,6 +69,15 @@ REAL_SIZES = (
         4096,
         "torchtitan Llama-3.1-70B on 256 H100: FSDP 32 × TP 8 with activation "
         "checkpointing; MaxText Llama2-70B on v5p: FSDP with full remat",
+    ),
+    (
+        "Llama-2-70B, sequence_parallel='auto'",
+        "LlamaBackbone",
+        "llama2_70b.json",
+        (32, 8),
+        256,
+        4096,
+        "MaxText on GPUs: FSDP with Megatron-style sequence parallelism",
     ),
     (
         "Llama-3-8B",
@@ -246,7 +256,9 @@ def lora_rows() -> list[dict]:
     return rows
 
 
-def plan_in_this_process(hub_class: str, config: str, mesh, batch: int, seq: int):
+def plan_in_this_process(
+    hub_class: str, config: str, mesh, batch: int, seq: int, sequence_parallel=False
+):
     """Child: plan one real-size model shapes-only; print a JSON line."""
     import jax
     import keras_hub
@@ -270,6 +282,7 @@ def plan_in_this_process(hub_class: str, config: str, mesh, batch: int, seq: int
         MeshSpec(tuple(mesh), ("batch", "model")),
         sample,
         hardware="h100-80gb",
+        sequence_parallel=sequence_parallel,
     )
     seconds = time.perf_counter() - start
     print(
@@ -301,6 +314,8 @@ def real_size_rows() -> list[dict]:
             sys.executable, "-m", "benchmarks.memory_truth", "--child-plan",
             hub_class, config, f"{mesh[0]}x{mesh[1]}", str(batch), str(seq),
         ]  # fmt: skip
+        if "sequence_parallel" in name:
+            command.append("--child-sequence-parallel")
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{name}: {done.stderr[-3000:]}")
@@ -481,6 +496,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-real-sizes", action="store_true")
     parser.add_argument("--json", help="also write the raw rows here")
     parser.add_argument("--child-plan", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child-sequence-parallel", action="store_true", help=argparse.SUPPRESS
+    )
     return parser.parse_args(argv)
 
 
@@ -489,7 +507,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child_plan:
         hub_class, config, mesh, batch, seq = args.child_plan
         shape = tuple(int(s) for s in mesh.split("x"))
-        plan_in_this_process(hub_class, config, shape, int(batch), int(seq))
+        plan_in_this_process(
+            hub_class,
+            config,
+            shape,
+            int(batch),
+            int(seq),
+            "auto" if args.child_sequence_parallel else False,
+        )
         return
     zoo = zoo_rows()
     real = [] if args.skip_real_sizes else real_size_rows()

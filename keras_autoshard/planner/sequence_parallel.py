@@ -103,6 +103,10 @@ def sequence_cut(
     pinned: list[str] = []
     notes: list[str] = []
     chosen_axis = None
+    made_by: dict[str, list[TensorNode]] = {}
+    for tensor in graph.tensors:
+        if graph.tensor_layers:
+            made_by.setdefault(graph.tensor_layers[tensor.id], []).append(tensor)
     families = remat_families(graph)
     if not families:
         notes.append(
@@ -131,10 +135,9 @@ def sequence_cut(
         family_cuts = {}
         for layer in family:
             whole = _outputs_of_cut_owners(graph, scopes, layer, assignment, axis)
-            for tensor in graph.tensors:
+            for tensor in made_by.get(layer, ()):
                 if (
-                    graph.tensor_layers[tensor.id] == layer
-                    and tensor.id not in partial
+                    tensor.id not in partial
                     and tensor.id not in whole
                     and _token_cut_fits(tensor, assignment, axis, sizes[axis])
                 ):
@@ -297,7 +300,10 @@ def _outputs_of_cut_owners(
     owners = [
         t.name
         for t in graph.tensors
-        if t.kind == "param" and t.name and axis in _model_axes_of(t, assignment)
+        if t.kind == "param"
+        and t.name
+        and _within(t.name, layer)
+        and axis in _model_axes_of(t, assignment)
     ]
     return {
         tensor_id
