@@ -2,7 +2,10 @@
 
 For one mesh, the planner tries each rematerialization option
 (`remat_options`: none, then the repeated-layer families of
-`remat.remat_families` added one at a time, largest saving first). Each
+`remat.remat_families` added one at a time, largest saving first), each
+without and then, when `sequence_parallel="auto"`, with sequence
+parallelism (`sequence_parallel.py`: it recomputes nothing, so it comes
+before the next rematerialization option). Each
 option's search runs with the whole peak under the budget
 (`peak_budget.py`); the option's plan is then estimated again in full
 (`memory_model.py`). Among the plans that fit:
