@@ -211,13 +211,25 @@ def micro_batch(sharding_plan, data):
     return jax.tree_util.tree_map(lambda a: a[: a.shape[0] // parts], data)
 
 
+def plan_distribution(sharding_plan):
+    """A `PlanDistribution` of `sharding_plan` on the first devices (as many
+    as its mesh has: a 1x4 plan on 8 simulated devices takes 4)."""
+    from keras_autoshard import PlanDistribution, make_device_mesh
+
+    devices = keras.distribution.list_devices()[: sharding_plan.mesh.device_count]
+    return PlanDistribution(
+        sharding_plan, make_device_mesh(sharding_plan.mesh, devices)
+    )
+
+
 def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
     """The train step of `build()` compiled as `sharding_plan` says: its
-    layout, its rematerialized layers, its micro-batches of `(x, y)` with
-    `gradient_accumulation_steps` on Adam; the `CompiledReport`."""
-    from keras_autoshard import PlanDistribution, rematerialize
+    layout (on the first devices, `plan_distribution`), its rematerialized
+    layers, its micro-batches of `(x, y)` with `gradient_accumulation_steps`
+    on Adam; the `CompiledReport`."""
+    from keras_autoshard import rematerialize
 
-    distribution = PlanDistribution(sharding_plan)
+    distribution = plan_distribution(sharding_plan)
     steps = sharding_plan.gradient_accumulation_steps
     x, y = micro_batch(sharding_plan, x), micro_batch(sharding_plan, y)
     with distribution.scope(), names_replayed_after():

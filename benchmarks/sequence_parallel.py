@@ -44,27 +44,10 @@ MESHES = ((1, 4), (2, 4))
 COMMAND = "python -m benchmarks.sequence_parallel --output BENCHMARKS.md"
 
 
-def _compiled(build, sharding_plan, x, y, compiler_options):
-    import keras
-
-    from keras_autoshard import PlanDistribution, make_device_mesh, names_replayed_after
-    from keras_autoshard.report.compiled_program import inspect_compiled
-
-    devices = keras.distribution.list_devices()[: sharding_plan.mesh.device_count]
-    distribution = PlanDistribution(
-        sharding_plan, make_device_mesh(sharding_plan.mesh, devices)
-    )
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-    return inspect_compiled(
-        model, distribution, (x, y), compiler_options=compiler_options
-    ).train_step
-
-
 def measure(name: str, shape: tuple[int, int]) -> dict:
     """One model on one mesh, with and without sequence parallelism."""
     from benchmarks import zoo
+    from benchmarks.measure import compiled_as_planned
     from keras_autoshard import MeshSpec, plan
     from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
@@ -92,7 +75,9 @@ def measure(name: str, shape: tuple[int, int]) -> dict:
             ("default", None),
             ("memory", MEMORY_SCHEDULE_ON_CPU),
         ):
-            step = _compiled(build, sharding_plan, x, y, options)
+            step = compiled_as_planned(
+                sharding_plan, build, x, y, compiler_options=options
+            ).train_step
             row[f"{key}_{schedule}"] = compiled_peak_bytes(step.memory)
             if schedule == "default":
                 row[f"{key}_ring"] = sum(op.ring_bytes for op in step.collectives)

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 
 from benchmarks.measure import relative_error
-from keras_autoshard import names_replayed_after
+from keras_autoshard import names_replayed_after, rematerialize
 
 RELATIVE_TOLERANCE = 1e-5
 PARITY_SEED = 1234
@@ -131,3 +131,16 @@ def check_parity(
             scale_floor=weight_scale,
         )
     return reference, sharded
+
+
+def rematerialized_under(sharding_plan, build):
+    """`build`, rematerializing as planned when built under a distribution
+    (the sharded model of `check_parity`; the one-device reference is not)."""
+
+    def build_model():
+        model = build()
+        if keras.distribution.distribution() is not None:
+            rematerialize(model, sharding_plan)
+        return model
+
+    return build_model

@@ -16,7 +16,6 @@ plan says: micro-batches of the planned batch, and
 `gradient_accumulation_steps` on the optimizer.
 """
 
-import keras
 import pytest
 
 from benchmarks import zoo
@@ -25,14 +24,13 @@ from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
     plan,
-    rematerialize,
 )
 from keras_autoshard.errors import PlanError
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
-from tests.parity import check_parity
+from tests.parity import check_parity, rematerialized_under
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 TOLERANCE = 0.15
@@ -42,19 +40,6 @@ def _compiled(sharding_plan, build, x, y):
     return compiled_as_planned(
         sharding_plan, build, x, y, compiler_options=MEMORY_SCHEDULE_ON_CPU
     ).train_step
-
-
-def _rematerialized_under(sharding_plan, build):
-    """`build`, rematerializing as planned when built under a distribution
-    (the sharded model of `check_parity`; the one-device reference is not)."""
-
-    def build_model():
-        model = build()
-        if keras.distribution.distribution() is not None:
-            rematerialize(model, sharding_plan)
-        return model
-
-    return build_model
 
 
 @pytest.mark.parametrize("name, share", [("llama", 0.6), ("subclassed", 0.7)])
@@ -86,7 +71,7 @@ def test_a_budget_that_needs_rematerialization_is_met_by_the_compiled_step(name,
     assert with_remat.matmuls > without.matmuls, (with_remat.matmuls, without.matmuls)
 
     check_parity(
-        _rematerialized_under(fitted, build),
+        rematerialized_under(fitted, build),
         PlanDistribution(fitted),
         micro_batch(fitted, x),
         micro_batch(fitted, y),
@@ -117,7 +102,7 @@ def test_rematerialized_layers_that_draw_dropout_masks_train_like_one_device():
     assert sharding_plan.rematerialize == ("transformer_layer_0", "transformer_layer_1")
 
     check_parity(
-        _rematerialized_under(sharding_plan, build),
+        rematerialized_under(sharding_plan, build),
         PlanDistribution(sharding_plan),
         x,
         y,

@@ -24,63 +24,28 @@ import keras
 import numpy as np
 import pytest
 
-from keras_autoshard import (
-    AutoShardDistribution,
-    MeshSpec,
-    PlanDistribution,
-    make_device_mesh,
-    names_replayed_after,
-    plan,
-    rematerialize,
-)
-from keras_autoshard.report.compiled_program import (
-    MEMORY_SCHEDULE_ON_CPU,
-    inspect_compiled,
-)
+from benchmarks import zoo
+from benchmarks.measure import compiled_as_planned, plan_distribution
+from keras_autoshard import AutoShardDistribution, MeshSpec, plan
+from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
-from tests.parity import check_parity
+from tests.parity import check_parity, rematerialized_under
 
 SEQ = 128
 WIRE_TOLERANCE = 0.05
 
 
 def _gpt2():
-    import keras_hub
-
-    return keras_hub.models.GPT2Backbone(
-        vocabulary_size=1024,
-        num_layers=2,
-        num_heads=8,
-        hidden_dim=256,
-        intermediate_dim=1024,
-        max_sequence_length=SEQ,
-    )
+    return zoo.build_gpt2(num_layers=2, max_sequence_length=SEQ)
 
 
-def _batch(batch=8, seed=0):
-    rng = np.random.default_rng(seed)
-    x = {
-        "token_ids": rng.integers(0, 1024, (batch, SEQ)).astype("int32"),
-        "padding_mask": np.ones((batch, SEQ), "int32"),
-    }
-    y = rng.standard_normal((batch, SEQ, 256)).astype("float32")
-    return x, y
+def _batch():
+    return zoo.gpt2_batch(batch=8, seq=SEQ)
 
 
-def _distribution(sharding_plan):
-    devices = keras.distribution.list_devices()[: sharding_plan.mesh.device_count]
-    return PlanDistribution(
-        sharding_plan, make_device_mesh(sharding_plan.mesh, devices)
-    )
-
-
-def _compiled_model(build, sharding_plan, x, y, compiler_options=None):
-    distribution = _distribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-    return inspect_compiled(
-        model, distribution, (x, y), compiler_options=compiler_options
+def _compiled(build, sharding_plan, x, y, compiler_options=None):
+    return compiled_as_planned(
+        sharding_plan, build, x, y, compiler_options=compiler_options
     ).train_step
 
 
@@ -119,8 +84,8 @@ def test_sequence_parallel_lowers_the_compiled_peak_at_the_same_wire_bytes(shape
     )
 
     for options in (None, MEMORY_SCHEDULE_ON_CPU):
-        without = _compiled_model(_gpt2, tensor_parallel, x, y, options)
-        with_sequence = _compiled_model(_gpt2, sequence_parallel, x, y, options)
+        without = _compiled(_gpt2, tensor_parallel, x, y, options)
+        with_sequence = _compiled(_gpt2, sequence_parallel, x, y, options)
         _assert_lower_peak_at_the_same_wire_bytes(without, with_sequence)
     # The reduce-scatters are there (as sliced all-reduces on XLA:CPU), and
     # the all-gathers that open each parallel region.
@@ -128,7 +93,7 @@ def test_sequence_parallel_lowers_the_compiled_peak_at_the_same_wire_bytes(shape
     assert any(op.kind == "all-gather" for op in with_sequence.collectives)
     assert not any(op.kind == "all-to-all" for op in with_sequence.collectives)
 
-    check_parity(_gpt2, _distribution(sequence_parallel), x, y, steps=5)
+    check_parity(_gpt2, plan_distribution(sequence_parallel), x, y, steps=5)
 
 
 def test_sequence_parallel_with_every_layer_rematerialized_trains_like_one_device():
@@ -138,21 +103,13 @@ def test_sequence_parallel_with_every_layer_rematerialized_trains_like_one_devic
     both = plan(_gpt2, mesh, x, sequence_parallel=True, rematerialize="all")
     assert both.rematerialize == remat_only.rematerialize
 
-    def build_for(sharding_plan):
-        def build():
-            model = _gpt2()
-            if keras.distribution.distribution() is not None:
-                rematerialize(model, sharding_plan)
-            return model
-
-        return build
-
-    without = _compiled_model(
-        build_for(remat_only), remat_only, x, y, MEMORY_SCHEDULE_ON_CPU
-    )
-    with_sequence = _compiled_model(build_for(both), both, x, y, MEMORY_SCHEDULE_ON_CPU)
+    # compiled_as_planned rematerializes the layers each plan names.
+    without = _compiled(_gpt2, remat_only, x, y, MEMORY_SCHEDULE_ON_CPU)
+    with_sequence = _compiled(_gpt2, both, x, y, MEMORY_SCHEDULE_ON_CPU)
     _assert_lower_peak_at_the_same_wire_bytes(without, with_sequence)
-    check_parity(build_for(both), _distribution(both), x, y, steps=5)
+    check_parity(
+        rematerialized_under(both, _gpt2), plan_distribution(both), x, y, steps=5
+    )
 
 
 class _Block(keras.layers.Layer):
@@ -224,10 +181,10 @@ def test_blocks_written_here_get_sequence_parallelism_by_graph_rules():
     assert pinned["block_1/up/output"] == ("batch", None, "model")
     assert pinned["block_0/query/output"] == ("batch", None, "model", None)
 
-    without = _compiled_model(build, tensor_parallel, x, y)
-    with_sequence = _compiled_model(build, sequence_parallel, x, y)
+    without = _compiled(build, tensor_parallel, x, y)
+    with_sequence = _compiled(build, sequence_parallel, x, y)
     _assert_lower_peak_at_the_same_wire_bytes(without, with_sequence)
-    check_parity(build, _distribution(sequence_parallel), x, y, steps=5)
+    check_parity(build, plan_distribution(sequence_parallel), x, y, steps=5)
 
 
 def test_key_value_heads_not_cut_over_the_axis_leave_the_layers_out_with_a_note():
@@ -304,7 +261,7 @@ def test_auto_chooses_sequence_parallelism_before_rematerialization_to_fit():
     # Without it, the same budget costs recomputation.
     assert plan(_gpt2, mesh, x, memory_budget=budget).rematerialize
 
-    compiled = _compiled_model(_gpt2, fitted, x, y)
+    compiled = _compiled(_gpt2, fitted, x, y)
     assert compiled_peak_bytes(compiled.memory) <= budget
 
     with pytest.raises(ValueError, match="sequence_parallel='sometimes'"):

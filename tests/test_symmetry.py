@@ -137,29 +137,44 @@ def test_flat_layers_of_one_shape_are_not_tied():
     assert len(set(kernels)) == 2, kernels
 
 
-def test_a_70b_plan_is_the_same_twice_and_every_layer_matches_layer_0():
+def _real_size_plan(backbone: str, config_file: str, shape, mesh_shape):
+    """A KerasHub backbone at real size, planned without weights."""
     import keras_hub
 
-    with open("examples/configs/llama2_70b.json") as file:
+    with open(f"examples/configs/{config_file}") as file:
         config = json.load(file)
-    shape = (256, 4096)
     x = {
         "token_ids": jax.ShapeDtypeStruct(shape, np.int32),
         "padding_mask": jax.ShapeDtypeStruct(shape, np.int32),
     }
+    backbone_class = getattr(keras_hub.models, backbone)
+    return plan(
+        lambda: backbone_class(**config),
+        MeshSpec(mesh_shape, ("batch", "model")),
+        x,
+        hardware="h100-80gb",
+    )
 
-    def build():
-        return keras_hub.models.LlamaBackbone(**config)
 
-    mesh = MeshSpec((32, 8), ("batch", "model"))
-    first = plan(build, mesh, x, hardware="h100-80gb")
-    second = plan(build, mesh, x, hardware="h100-80gb")
-    assert first.to_json() == second.to_json()
+def _specs_by_layer(sharding_plan):
+    """Layer index → its variables' (path in the layer, spec), in plan order,
+    the numbers Keras appends to repeated sub-layer names left out."""
     layers = {}
-    for variable in first.variables:
+    for variable in sharding_plan.variables:
         match = re.match(r"transformer_layer_(\d+)/(.*)", variable.path)
         if match:
-            layers.setdefault(int(match.group(1)), {})[match.group(2)] = variable.spec
+            unnumbered = re.sub(r"_\d+(?=/|$)", "", match.group(2))
+            layers.setdefault(int(match.group(1)), []).append(
+                (unnumbered, variable.spec)
+            )
+    return layers
+
+
+def test_a_70b_plan_is_the_same_twice_and_every_layer_matches_layer_0():
+    first = _real_size_plan("LlamaBackbone", "llama2_70b.json", (256, 4096), (32, 8))
+    second = _real_size_plan("LlamaBackbone", "llama2_70b.json", (256, 4096), (32, 8))
+    assert first.to_json() == second.to_json()
+    layers = _specs_by_layer(first)
     assert len(layers) == 80
     assert all(specs == layers[0] for specs in layers.values())
 
@@ -169,28 +184,9 @@ def test_mixtral_layers_whose_moe_blocks_keras_numbers_match_layer_0():
     # tied in order, every layer's specs equal layer 0's (planned at real
     # size, no weights: 22 s untied, within the solver's time limit, and
     # asymmetric; about 3 s tied).
-    import keras_hub
-
-    with open("examples/configs/mixtral_8x7b.json") as file:
-        config = json.load(file)
-    shape = (64, 4096)
-    x = {
-        "token_ids": jax.ShapeDtypeStruct(shape, np.int32),
-        "padding_mask": jax.ShapeDtypeStruct(shape, np.int32),
-    }
-    sharding_plan = plan(
-        lambda: keras_hub.models.MixtralBackbone(**config),
-        MeshSpec((8, 8), ("batch", "model")),
-        x,
-        hardware="h100-80gb",
+    sharding_plan = _real_size_plan(
+        "MixtralBackbone", "mixtral_8x7b.json", (64, 4096), (8, 8)
     )
-    layers = {}
-    for variable in sharding_plan.variables:
-        match = re.match(r"transformer_layer_(\d+)/(.*)", variable.path)
-        if match:
-            unnumbered = re.sub(r"_\d+(?=/|$)", "", match.group(2))
-            layers.setdefault(int(match.group(1)), []).append(
-                (unnumbered, variable.spec)
-            )
+    layers = _specs_by_layer(sharding_plan)
     assert len(layers) == 32
     assert all(specs == layers[0] for specs in layers.values())
