@@ -52,8 +52,9 @@ def keras_path_prefixes(graph: AxisGraph) -> dict[str, str]:
     for tensor in graph.tensors:
         if tensor.kind in ("param", "state") and tensor.name:
             prefix, under = split_variable_path(tensor.name, tops)
-            if under != tensor.name or under.partition("/")[0] in tops:
-                prefixes.setdefault(under.partition("/")[0], prefix)
+            top = under.partition("/")[0]
+            if top in tops:
+                prefixes.setdefault(top, prefix)
     return prefixes
 
 

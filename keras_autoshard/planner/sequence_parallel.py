@@ -43,6 +43,7 @@ from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
 from keras_autoshard.planner.cost_model import Assignment, MeshAxis, tensor_axes
+from keras_autoshard.planner.layer_paths import split_variable_path, top_level_scopes
 from keras_autoshard.planner.remat import remat_families
 
 # A Keras layer name (the scopes of the trace also hold ops, e.g. einsum
@@ -297,26 +298,20 @@ def _outputs_of_cut_owners(
 ) -> set[int]:
     """Outputs of the sub-layers of `layer` owning a parameter cut over
     `axis`: a row-parallel output stays whole (see the module docstring)."""
+    tops = top_level_scopes(graph)
+    # Variable paths under the trace's scopes (less a subclassed model's name).
     owners = [
-        t.name
+        split_variable_path(t.name, tops)[1]
         for t in graph.tensors
-        if t.kind == "param"
-        and t.name
-        and _within(t.name, layer)
-        and axis in _model_axes_of(t, assignment)
+        if t.kind == "param" and t.name and axis in _model_axes_of(t, assignment)
     ]
+    owners = [owner for owner in owners if owner.startswith(f"{layer}/")]
     return {
         tensor_id
         for scope, tensor_id in scopes.items()
         if scope.startswith(f"{layer}/")
-        and any(_within(owner, scope) for owner in owners)
+        and any(owner.startswith(f"{scope}/") for owner in owners)
     }
-
-
-def _within(variable_path: str, scope: str) -> bool:
-    """Whether a variable belongs to the layer at `scope` (a variable path
-    may start with the model's name: `subclassed/block/dense/kernel`)."""
-    return f"/{scope}/" in f"/{variable_path}"
 
 
 def _token_cut_fits(

@@ -48,6 +48,7 @@ from keras_autoshard.report.hlo.text import (
     INDEX_COMMENT,
     ArrayShape,
     Computation,
+    operand_names_and_shapes,
     parse_computations,
     parse_shape,
     shape_bytes,
@@ -324,7 +325,7 @@ def _done_shapes(computation: Computation) -> dict[str, str]:
     done_shapes = {}
     for instruction in computation.instructions:
         if instruction.opcode.endswith(_PAIRED_SUFFIXES[1]):
-            operands = _operand_names_and_shapes(instruction.operands_text)
+            operands = operand_names_and_shapes(instruction.operands_text)
             if operands:
                 done_shapes[operands[0][0]] = instruction.shape_text
     return done_shapes
@@ -374,31 +375,13 @@ def _build_op(
     )
 
 
-def _operand_names_and_shapes(operands_text: str) -> list[tuple[str, str]]:
-    """Splits an operand list into `(name, inline_shape_text)` pairs.
-
-    Args:
-        operands_text: Text between the opcode's parentheses, e.g.
-            `"f32[8]{0} %a, %b"`.
-
-    Returns:
-        One pair per operand; the shape text is empty when not printed.
-    """
-    operands = []
-    for _, piece in split_top_level(operands_text):
-        parts = piece.strip().rsplit(maxsplit=1)
-        name = parts[-1].removeprefix("%")
-        operands.append((name, parts[0] if len(parts) == 2 else ""))
-    return operands
-
-
 def _operand_shapes(context: OpContext, shapes: dict[str, str]) -> list[ArrayShape]:
     """Resolves the array shapes of a collective's operands.
 
     Inline operand shapes are used when printed; otherwise the shape comes
     from the instruction that defines the operand in the same computation.
     """
-    operands = _operand_names_and_shapes(context.instruction.operands_text)
+    operands = operand_names_and_shapes(context.instruction.operands_text)
     if not operands:
         raise context.error("it has no operands.")
     resolved = []

@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 
 from keras_autoshard.report.hlo.text import (
     Instruction,
+    operand_names_and_shapes,
     parse_shape,
     shape_bytes,
-    split_top_level,
 )
 
 _TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
@@ -39,18 +39,9 @@ def users_by_operand(
     """
     users: dict[str, list[Instruction]] = {}
     for instruction in instructions:
-        for name in operand_names(instruction.operands_text):
+        for name in _names(instruction.operands_text):
             users.setdefault(name, []).append(instruction)
     return users
-
-
-def operand_names(operands_text: str) -> list[str]:
-    """The instruction names of an operand list (`"f32[8] %a, %b"` → a, b)."""
-    return [
-        piece.strip().rsplit(maxsplit=1)[-1].removeprefix("%")
-        for _, piece in split_top_level(operands_text)
-        if piece.strip()
-    ]
 
 
 def scattered_operand_bytes(
@@ -101,5 +92,9 @@ def _keeps_own_part(reader: Instruction, num_elements: int, group_size: int) -> 
     if len(shapes) != 1 or shapes[0].num_elements * group_size != num_elements:
         return False
     return reader.opcode == "dynamic-slice" or any(
-        name.startswith("partition-id") for name in operand_names(reader.operands_text)
+        name.startswith("partition-id") for name in _names(reader.operands_text)
     )
+
+
+def _names(operands_text: str) -> list[str]:
+    return [name for name, _ in operand_names_and_shapes(operands_text)]

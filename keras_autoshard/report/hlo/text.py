@@ -307,3 +307,23 @@ def shape_bytes(shapes: list[ArrayShape]) -> int:
         else:
             total += shape.num_elements * math.ceil(bits / 8)
     return total
+
+
+def operand_names_and_shapes(operands_text: str) -> list[tuple[str, str]]:
+    """Splits an operand list into `(name, inline_shape_text)` pairs.
+
+    Args:
+        operands_text: Text between the opcode's parentheses, e.g.
+            `"f32[8]{0} %a, %b"`.
+
+    Returns:
+        One pair per operand; the shape text is empty when not printed.
+    """
+    operands = []
+    for _, piece in split_top_level(operands_text):
+        if not piece.strip():
+            continue
+        parts = piece.strip().rsplit(maxsplit=1)
+        name = parts[-1].removeprefix("%")
+        operands.append((name, parts[0] if len(parts) == 2 else ""))
+    return operands
