@@ -30,6 +30,7 @@ _PUBLIC_NAMES = {
     "DeviceSetupError": "keras_autoshard.runtime.devices",
     "simulate_devices": "keras_autoshard.runtime.devices",
     "names_replayed_after": "keras_autoshard.trace.naming",
+    "build_abstract": "keras_autoshard.trace.tracer",
     "CompiledReport": "keras_autoshard.report.compiled_report",
     "inspect_compiled": "keras_autoshard.report.compiled_program",
     "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",

@@ -152,10 +152,11 @@ def _model_options() -> argparse.ArgumentParser:
     )
     mesh.add_argument(
         "--job",
-        choices=("train", "inference"),
+        choices=("train", "inference", "generate"),
         default="train",
-        help="what the budget holds: a training step (default) or inference "
-        "(variables, data and the largest activations)",
+        help="what the budget holds: a training step (default), inference "
+        "(variables, data and the largest activations) or generate (inference "
+        "plus the key/value cache of every attention at --seq-len tokens)",
     )
     mesh.add_argument(
         "--hardware",

@@ -332,6 +332,8 @@ class AxisGraph:
             equations read each parameter ("" for equations outside any
             layer): its gradient exists once the backward pass reaches the
             last of them in call order.
+        key_values: `(key, value)` tensor ids of each attention, as a
+            generation cache stores them (`graph/kv_cache.py`).
 
     Example:
 
@@ -360,6 +362,7 @@ class AxisGraph:
     layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     unread: tuple[int, ...] = ()
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    key_values: tuple[tuple[int, int], ...] = ()
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

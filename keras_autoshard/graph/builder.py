@@ -71,12 +71,12 @@ from keras_autoshard.graph.axis_graph import (
     CommEvent,
     DimSizeMismatchError,
     GroupedConv,
-    Kept,
     SliceEdge,
     TensorNode,
     UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker
+from keras_autoshard.graph.fusion import kept_after_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -93,6 +93,7 @@ from keras_autoshard.graph.jaxpr.walker import (
     aval_shape,
     has_grad,
 )
+from keras_autoshard.graph.kv_cache import key_value_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -223,85 +224,15 @@ class _GraphBuilder:
         self.own_rule_depth = 0
         # Tensor -> the top-level layers whose equations read it.
         self.readers: dict[int, set[str]] = {}
-
-    def _kept_after_fusion(self, within_layers: bool = False) -> tuple[Kept, ...]:
-        """The residuals XLA materialises.
-
-        With `within_layers`, a fusion does not reach past the call of the
-        layer that made the residual: what another layer call made is kept
-        as it is. That is the rematerialized program's view (a checkpointed
-        call's output is materialised), where the whole-program view would
-        have the last norm of a backbone recompute its input from the
-        residual stream of every layer.
-
-        XLA fuses elementwise work into its consumers, in the backward pass
-        too: a residual made by elementwise equations from other values and
-        read by elementwise derivative work only (the sigmoid inside a SiLU,
-        a normalised activation before its scale) is recomputed inside the
-        backward fusion from the values it was made of, which are kept
-        instead. Values an unfusible equation reads (a matmul's operands)
-        or makes (its output, a reduction's) are materialised as they are.
-        """
-        kept: dict[tuple[int, float], int] = {}
-        layers: dict[tuple[int, float], set[str]] = {}
-        roots_of: dict[int, tuple[int, ...]] = {}
-        producer = self.layers.producer
-        for (tid, scale), times in self.residuals.items():
-            keeping = self.residual_layers[(tid, scale)]
-            made_in = producer.get(self.view_of.get(tid, tid))
-            groups = [keeping]
-            if within_layers:
-                # Another layer call's output is materialised as it is.
-                groups = [g for g in (keeping - {made_in}, keeping & {made_in}) if g]
-            for by_layers in groups or [keeping]:
-                roots = (
-                    (tid,)
-                    if within_layers and made_in not in by_layers
-                    else self._fusion_roots(tid, roots_of, within_layers)
-                )
-                for root in roots:
-                    key = (root, scale) if root == tid else (root, 1.0)
-                    kept[key] = max(kept.get(key, 0), times)
-                    layers.setdefault(key, set()).update(by_layers)
-        return tuple(
-            Kept(t, scale, times, tuple(sorted(layers[(t, scale)])))
-            for (t, scale), times in sorted(kept.items())
-        )
-
-    def _fusion_roots(
-        self, tid: int, memo: dict[int, tuple[int, ...]], within_layers: bool
-    ) -> tuple[int, ...]:
-        """The materialised values `tid` is recomputed from (itself if it is
-        materialised)."""
-        if tid in memo:
-            return memo[tid]
-        memo[tid] = (tid,)  # a cycle guard; loops do not occur in a jaxpr
-        operands = self.fused_from.get(tid)
-        if operands is None or tid in self.feeds_unfused:
-            return memo[tid]
-        roots: list[int] = []
-        for operand in operands:
-            if (
-                operand in self.constant_like
-                or self.tensors[operand].kind != "activation"
-            ):
-                continue  # constants fold; parameters and inputs are resident
-            root_view = self.view_of.get(operand, operand)
-            producer = self.layers.producer
-            if within_layers and producer.get(root_view) != producer.get(tid):
-                if root_view not in roots:
-                    roots.append(root_view)
-                continue
-            for root in self._fusion_roots(root_view, memo, within_layers):
-                if root not in roots:
-                    roots.append(root)
-        memo[tid] = tuple(roots)
-        return memo[tid]
+        # (lhs, rhs, out) of each contraction of two activations, in order;
+        # and a repeat's result -> the tensor it repeats (`graph/kv_cache.py`).
+        self.activation_products: list[tuple[int, int, int]] = []
+        self.repeat_of: dict[int, int] = {}
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
         a value kept by several equations, or through a view of it, once."""
-        self.layers.record(eqn.ins, outs, self._is_activation)
+        self.layers.record(eqn.ins, outs, self.is_activation)
         for tid in eqn.ins:
             self.readers.setdefault(tid, set()).add(self.layers.current)
         name = eqn.eqn.primitive.name
@@ -343,7 +274,7 @@ class _GraphBuilder:
             self.residuals[key] = max(self.residuals.get(key, 0), eqn.multiplicity)
             self.residual_layers.setdefault(key, set()).add(self.layers.current)
 
-    def _is_activation(self, tid: int) -> bool:
+    def is_activation(self, tid: int) -> bool:
         return self.tensors[tid].kind == "activation" and tid not in self.constant_like
 
     def record_scope(self, name_stack: str, outs: Sequence[int]) -> None:
@@ -493,8 +424,9 @@ class _GraphBuilder:
                 (scope, tuple(calls)) for scope, calls in self.scope_outputs.items()
             ),
             grouped_convs=tuple(self.grouped_convs),
-            residuals=self._kept_after_fusion(),
-            residuals_within_layers=self._kept_after_fusion(within_layers=True),
+            key_values=key_value_pairs(self),
+            residuals=kept_after_fusion(self),
+            residuals_within_layers=kept_after_fusion(self, within_layers=True),
             workspaces=tuple(sorted(self.workspaces.items())),
             other_residual_bytes=self.other_residual_bytes,
             tensor_layers=self.layers.scopes(len(self.tensors)),

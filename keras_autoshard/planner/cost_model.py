@@ -103,8 +103,8 @@ class PlannerOptions:
             XLA:CPU runs half-precision arithmetic in float32, so a CPU
             plan's activations count at that size.
         hardware: The `HardwareProfile` planned for, if any.
-        job: `"train"` (a training step) or `"inference"` (`predict`): what
-            the budget holds.
+        job: `"train"` (a training step), `"inference"` (`predict`) or
+            `"generate"` (with a key/value cache): what the budget holds.
         minimize_peak: With no budget, make the peak per device the first
             term of the objective (used to say by how much nothing fits).
         rematerialize: `"auto"` (chosen only to fit the budget), `"none"`,

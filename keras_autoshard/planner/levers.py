@@ -111,7 +111,7 @@ def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str,
 
     Args:
         graph: The model's axis graph.
-        job: `"train"` or `"inference"` (nothing to rematerialize).
+        job: `"train"`, `"inference"` or `"generate"` (nothing to rematerialize).
         request: `"auto"` (every option, the planner chooses), `"none"`,
             `"all"` (every repeated-layer family) or layer names.
 
@@ -250,7 +250,7 @@ def accumulation_options(
     Args:
         graph: The model's axis graph.
         axes: Mesh axes of size > 1.
-        job: `"train"` or `"inference"` (no accumulation).
+        job: `"train"`, `"inference"` or `"generate"` (no accumulation).
 
     Returns:
         Counts in increasing order (empty when the batch cannot be split).
@@ -344,7 +344,7 @@ def sequence_parallel_modes(request, job: str) -> tuple[bool, ...]:
         request: `False`, `True`, or `"auto"` (only where the plan without it
             does not fit: tried before each rematerialization option, as it
             recomputes nothing).
-        job: `"train"` or `"inference"`.
+        job: `"train"`, `"inference"` or `"generate"`.
 
     Returns:
         `(False,)`, `(True,)` or `(False, True)`.

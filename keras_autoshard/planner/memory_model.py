@@ -21,7 +21,11 @@ Pure functions of the axis graph and an `Assignment`. For a training step
   equation's own (a max pooling's gradient, `workspaces`).
 
 For inference (`predict`), the parameters, the data and twice the largest
-activation. Everything is bytes per device; `peak_bytes` is the sum.
+activation. Generation (`generate`) adds the key/value cache: the key and
+the value of every attention (`AxisGraph.key_values`, found by graph shape
+in `graph/kv_cache.py`) at the traced sequence length, cut like them; the
+prompt's forward pass is the inference part. Everything is bytes per
+device; `peak_bytes` is the sum.
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from keras_autoshard.planner.cost_model import (
     iteration_classes,
     kept_bytes,
     local_bytes,
+    tensor_axes,
     terms_bytes,
     widening,
 )
 from keras_autoshard.planner.remat import backward_stages
 from keras_autoshard.plans.estimate import PlanEstimate
 
-JOBS = ("train", "inference")
+JOBS = ("train", "inference", "generate")
 
 
 def estimate_memory(
@@ -64,7 +69,7 @@ def estimate_memory(
         axes: Mesh axes of size > 1.
         assignment: The candidate sharding.
         optimizer_slots: Optimizer state per trainable parameter, in copies.
-        job: `"train"` or `"inference"`.
+        job: `"train"`, `"inference"` or `"generate"`.
         half_as_single: Count 2-byte activations at 4 bytes (XLA:CPU runs
             half-precision arithmetic in float32; accelerators do not).
         remat: Names of the top-level layers rematerialized
@@ -104,7 +109,8 @@ def estimate_memory(
             largest = max(largest, size)
         else:  # made from weights alone (a transposed table): its gradient
             largest_derived = max(largest_derived, size)
-    if job == "inference":
+    if job != "train":
+        cache = cache_bytes(graph, assignment, sizes) if job == "generate" else 0
         return PlanEstimate(
             parameter_bytes=int(parameters),
             gradient_bytes=0,
@@ -112,7 +118,8 @@ def estimate_memory(
             activation_bytes=0,
             data_bytes=int(inputs),
             transient_bytes=int(2 * max(largest, largest_derived)),
-            job="inference",
+            cache_bytes=int(cache),
+            job=job,
         )
     targets = _targets_bytes(graph, axes)
     workspace = max(
@@ -153,6 +160,44 @@ def estimate_memory(
         data_bytes=int((inputs + targets) * part),
         transient_bytes=int(transient),
     )
+
+
+def cache_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> float:
+    """Bytes of the key/value cache on one device: every attention's key
+    and value (`AxisGraph.key_values`), cut like them.
+
+    A dim left whole that is repeated into a cut one (grouped key/value
+    heads repeated to the query heads, a "repeat" `SliceEdge`) is held only
+    as far as this device's part of the repeat reads it: 2 key/value heads
+    repeated to query heads cut 4 ways leave 1 head per device (measured:
+    XLA:CPU keeps a Llama cache of 2 heads at 1 per device on a 4-way
+    axis); a size the cut does not divide is counted by their common
+    factor.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding.
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Bytes per device.
+    """
+    repeats = [e for e in graph.slice_edges if e.reason == "repeat"]
+    repeated_to = {edge.source: edge.target for edge in repeats}
+    total = 0.0
+    for pair in graph.key_values:
+        for tid in pair:
+            tensor = graph.tensors[tid]
+            held = local_bytes(tensor, assignment, sizes)
+            axes = tensor_axes(tensor, assignment)
+            for size, class_id, axis in zip(tensor.shape, tensor.dim_classes, axes):
+                target_axis = assignment.class_axis.get(repeated_to.get(class_id))
+                if axis is None and target_axis is not None:
+                    held /= math.gcd(size, sizes[target_axis])
+            total += held
+    return total
 
 
 def _staged_peak(

@@ -94,6 +94,10 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
             add(tensor, True, copies - gradient if train else 1.0)
         elif tensor.kind == "input":
             add(tensor, False, part)
+    if options.job == "generate":
+        for pair in graph.key_values:
+            for tid in pair:
+                add(graph.tensors[tid], False, 1.0)
     if train:
         constant += graph.other_residual_bytes * part
         for tid, factor in kept_terms(graph, remat):

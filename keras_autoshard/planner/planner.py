@@ -113,8 +113,10 @@ def plan(
             the default budget, and the step time in the estimate (the
             objective among plans that fit).
         job: `"train"` (a training step: gradients, optimizer state and
-            kept activations) or `"inference"` (`predict`: variables, data
-            and the largest activations).
+            kept activations), `"inference"` (`predict`: variables, data
+            and the largest activations) or `"generate"` (inference plus
+            the key/value cache of every attention at the sample's
+            sequence length).
         rematerialize: `"auto"`: layers are rematerialized only where the
             budget needs it (the fewest that fit); `"none"`: never; `"all"`:
             every repeated-layer family (the transformer layers of a
@@ -530,6 +532,11 @@ def _parts(estimate: PlanEstimate) -> str:
         f"backward pass {format_bytes(estimate.activation_bytes)}, inputs and "
         f"targets {format_bytes(estimate.data_bytes)}, transient "
         f"{format_bytes(estimate.transient_bytes)}"
+        + (
+            f", key/value cache {format_bytes(estimate.cache_bytes)}"
+            if estimate.job == "generate"
+            else ""
+        )
     )
 
 
@@ -537,7 +544,9 @@ def _memory_note(estimate: PlanEstimate) -> str:
     """The estimated peak per device, against the budget when there is one,
     and the levers chosen."""
     peak = format_bytes(estimate.peak_bytes)
-    job = "a training step" if estimate.job == "train" else "inference"
+    job = {"train": "a training step", "generate": "generation"}.get(
+        estimate.job, "inference"
+    )
     levers = "".join(
         f" Lever: {lever}." if lever.endswith(ASKED) else f" Chosen to fit: {lever}."
         for lever in estimate.levers

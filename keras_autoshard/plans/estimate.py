@@ -43,6 +43,7 @@ _BYTE_FIELDS = (
     "activation_bytes",
     "data_bytes",
     "transient_bytes",
+    "cache_bytes",
 )
 
 
@@ -60,8 +61,11 @@ class PlanEstimate:
         activation_bytes: Values the backward pass keeps.
         data_bytes: The step's inputs and targets on one device.
         transient_bytes: Buffers alive only around the peak.
+        cache_bytes: The keys and values a generation cache holds
+            (`job="generate"`; zero otherwise).
         communication_by_axis: Collective bytes per step, by mesh axis.
-        job: `"train"` or `"inference"`.
+        job: `"train"`, `"inference"` (`predict`) or `"generate"` (token
+            by token, with a key/value cache).
         budget_bytes: The per-device budget planned for, if any.
         hardware: The hardware profile's name, if one was given.
         compute_flops: FLOPs of one step's contractions on one device.
@@ -86,6 +90,7 @@ class PlanEstimate:
     activation_bytes: int
     data_bytes: int
     transient_bytes: int
+    cache_bytes: int = 0
     communication_by_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
     job: str = "train"
     budget_bytes: int | None = None
@@ -133,7 +138,9 @@ class PlanEstimate:
     def from_dict(cls, data: Mapping[str, Any]) -> PlanEstimate:
         """Read `to_dict`'s form (`peak_bytes` is recomputed, not trusted)."""
         return cls(
-            **{name: int(data[name]) for name in _BYTE_FIELDS},
+            **{name: int(data[name]) for name in _BYTE_FIELDS[:-1]},
+            # Plans written before the generate job have no cache.
+            cache_bytes=int(data.get("cache_bytes", 0)),
             communication_by_axis=dict(data.get("communication_by_axis") or {}),
             job=data.get("job", "train"),
             budget_bytes=data.get("budget_bytes"),
@@ -146,6 +153,7 @@ class PlanEstimate:
 
     def lines(self) -> list[tuple[str, int]]:
         """(label, bytes) rows for tables, ending with the peak."""
+        cache = [("key/value cache", self.cache_bytes)] * (self.job == "generate")
         return [
             ("parameters", self.parameter_bytes),
             ("gradients", self.gradient_bytes),
@@ -153,5 +161,6 @@ class PlanEstimate:
             ("activations kept for backward", self.activation_bytes),
             ("inputs and targets", self.data_bytes),
             ("transient buffers", self.transient_bytes),
+            *cache,
             ("peak per device", self.peak_bytes),
         ]

@@ -91,14 +91,42 @@ def build_abstract(builder: Callable[[], keras.Model]) -> keras.Model:
     The build leaves Keras's name counters as it found them, so the next real
     build of the same model gets the same variable paths.
 
+    A KerasHub task (a `CausalLM`, whose constructor compiles an optimizer
+    with a counter made from a value, which no abstract build can hold) is
+    built around an abstract backbone instead, outside this function.
+
     Args:
         builder: A function with no arguments returning a `keras.Model`.
 
     Returns:
         The model, usable only for abstract tracing.
+
+    Raises:
+        ModelNotTraceableError: If the builder creates a variable from a
+            value (an optimizer's): the message says how to plan a task.
+
+    Example:
+
+    ```python
+    backbone = build_abstract(lambda: keras_hub.models.LlamaBackbone(**config))
+    causal_lm = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    sharding_plan = plan(causal_lm, mesh, batch, job="generate")
+    ```
     """
     with names_replayed_after(), abstract_variables():
-        model = builder()
+        try:
+            model = builder()
+        except ValueError as error:
+            if "create a variable while in a stateless scope" not in str(error):
+                raise
+            raise ModelNotTraceableError(
+                "The model builder creates a variable from a value (an "
+                "optimizer's counter: a KerasHub task's constructor compiles "
+                "one), which an abstract build cannot hold. Build the backbone "
+                "abstractly and the task around it, then plan the task: "
+                "plan(Task(backbone=keras_autoshard.build_abstract(make_backbone), "
+                "preprocessor=None), ...)."
+            ) from error
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"The model builder returned {type(model).__name__}, not a keras.Model."

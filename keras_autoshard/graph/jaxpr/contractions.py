@@ -37,6 +37,8 @@ def _rule_dot_general(e: Eqn) -> list[int]:
     for lhs_dim, rhs_dim in zip(lhs_contract, rhs_contract):
         e.unify(lhs, lhs_dim, rhs, rhs_dim)
     e.event("contract", "forward", [e.element(lhs, d) for d in lhs_contract], out)
+    if e.builder.is_activation(lhs) and e.builder.is_activation(rhs):
+        e.builder.activation_products.append((lhs, rhs, out))
     if e.requires_grad(lhs):
         e.event("contract", "backward", [e.element(out, o) for o in rhs_free_out], lhs)
     if e.requires_grad(rhs):

@@ -94,6 +94,8 @@ def _map_reshape_group(
     elif len(group_out) == 1:
         # Merge: the major input factor is a block of the output dim.
         repeat_source = _repeat_source(e, operand, group_in)
+        if repeat_source is not None:
+            e.builder.repeat_of[out] = repeat_source
         e.builder.add_slice_edge(
             (operand, group_in[0]),
             (out, group_out[0]),
