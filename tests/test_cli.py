@@ -122,6 +122,36 @@ def test_plan_png_is_a_nonempty_png_image(gpt2_plan):
     assert len(data) > 10_000
 
 
+def test_plan_png_draws_the_estimated_peak_against_the_budget(gpt2_plan, tmp_path):
+    import dataclasses
+
+    from keras_autoshard import ShardingPlan
+    from keras_autoshard.plans.estimate import usable_budget
+    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.report.plan_figure import (
+        estimate_parts,
+        estimate_title,
+        save_plan_figure,
+    )
+
+    result, paths = gpt2_plan
+    assert result.returncode == 0, explain(result)
+    plan = ShardingPlan.load(str(paths["json"]))
+    estimate = plan.estimate
+    parts = dict(estimate_parts(estimate))
+    assert sum(parts.values()) == estimate.peak_bytes
+    assert parts["parameters"] == estimate.parameter_bytes > 0
+    assert "fits the budget" in estimate_title(estimate)
+    # Over a budget: the title says by how much, and the picture still draws.
+    over = dataclasses.replace(estimate, budget_bytes=estimate.peak_bytes // 2)
+    title = estimate_title(over)
+    assert "over the part of the budget" in title
+    assert format_bytes(estimate.peak_bytes - usable_budget(over.budget_bytes)) in title
+    path = tmp_path / "over.png"
+    save_plan_figure(dataclasses.replace(plan, estimate=over), str(path))
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_plan_shows_a_planning_progress_bar_on_stderr(gpt2_plan):
     result, _ = gpt2_plan
     assert "planning" in result.stderr

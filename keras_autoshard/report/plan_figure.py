@@ -1,11 +1,16 @@
-"""A picture of a `ShardingPlan`: bytes per device by layer, and mesh layouts.
+"""A picture of a `ShardingPlan`: bytes per device by layer, the estimated
+peak against the budget, and mesh layouts.
 
 The left panel shows, for every top-level layer, the bytes of its variables
 that each device holds next to what an even split over all devices would
-give. The other panels show, for each distinct way the plan cuts weights
-(spec and shape pattern), one weight as a grid of blocks labelled with the
-devices that hold each block. Drawn with matplotlib's Agg canvas (no display
-needed, no pyplot global state).
+give. Below it, when the plan carries an estimate, one bar stacks what a
+device holds at the peak (parameters, gradients, optimizer state, kept
+activations, data, transients, the key/value cache), with the budget and
+the part of it plans may fill drawn as lines. The other panels show, for
+each distinct way the plan cuts weights (spec and shape pattern), one
+weight as a grid of blocks labelled with the devices that hold each block.
+Drawn with matplotlib's Agg canvas (no display needed, no pyplot global
+state).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import itertools
 import math
 from collections import defaultdict
 
+from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
+from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan, VariableSharding
 
 MAX_LAYOUT_PANELS = 8
@@ -122,10 +129,16 @@ def save_plan_figure(plan: ShardingPlan, path: str, dpi: int = 110) -> None:
     groups = layout_groups(plan)[:MAX_LAYOUT_PANELS]
     layout_rows = max(1, math.ceil(len(groups) / _LAYOUT_COLUMNS))
     height = max(3.0, 0.3 * len(layers) + 1.5, 2.6 * layout_rows)
+    height += 0.0 if plan.estimate is None else 1.5
     figure = Figure(figsize=(6 + 3 * _LAYOUT_COLUMNS, height))
     FigureCanvasAgg(figure)
     grid = figure.add_gridspec(layout_rows, 2 + _LAYOUT_COLUMNS)
-    _draw_layer_bytes(figure.add_subplot(grid[:, :2]), layers, plan)
+    if plan.estimate is None:
+        _draw_layer_bytes(figure.add_subplot(grid[:, :2]), layers, plan)
+    else:
+        left = grid[:, :2].subgridspec(2, 1, height_ratios=(3, 1), hspace=0.9)
+        _draw_layer_bytes(figure.add_subplot(left[0]), layers, plan)
+        _draw_estimate(figure.add_subplot(left[1]), plan.estimate)
     for index, (variable, count) in enumerate(groups):
         axes = figure.add_subplot(
             grid[index // _LAYOUT_COLUMNS, 2 + index % _LAYOUT_COLUMNS]
@@ -166,6 +179,66 @@ def _draw_layer_bytes(axes, layers: list[LayerBytes], plan: ShardingPlan) -> Non
     axes.set_xlabel(f"{unit_name} per device")
     axes.set_title("Variable bytes per device, by layer")
     axes.legend(fontsize=7, loc="lower right")
+
+
+def estimate_parts(estimate: PlanEstimate) -> list[tuple[str, int]]:
+    """What one device holds at the peak, part by part (the parts with any
+    bytes, in `PlanEstimate.lines` order; they sum to `peak_bytes`).
+
+    Args:
+        estimate: A plan's estimate.
+
+    Returns:
+        `(label, bytes)` pairs.
+    """
+    return [(label, size) for label, size in estimate.lines()[:-1] if size > 0]
+
+
+def estimate_title(estimate: PlanEstimate) -> str:
+    """The estimate panel's title: the peak, and against the budget whether
+    it fits (within the part plans may fill) or by how much it is over.
+
+    Args:
+        estimate: A plan's estimate.
+
+    Returns:
+        One line of text.
+    """
+    peak = f"Estimated peak per device {format_bytes(estimate.peak_bytes)}"
+    if estimate.budget_bytes is None:
+        return peak + " (no budget)"
+    usable = usable_budget(estimate.budget_bytes)
+    budget = format_bytes(estimate.budget_bytes)
+    if estimate.peak_bytes <= usable:
+        return f"{peak}: fits the budget {budget}"
+    over = format_bytes(estimate.peak_bytes - usable)
+    return f"{peak}: {over} over the part of the budget {budget} plans may fill"
+
+
+def _draw_estimate(axes, estimate: PlanEstimate) -> None:
+    parts = estimate_parts(estimate)
+    scale = max([estimate.peak_bytes, estimate.budget_bytes or 0, 1])
+    unit_name, unit = next(
+        (name, size)
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+        if scale >= size or size == 1
+    )
+    start = 0.0
+    for index, (label, size) in enumerate(parts):
+        axes.barh(0, size / unit, left=start, color=f"C{index}", label=label)
+        start += size / unit
+    if estimate.budget_bytes is not None:
+        axes.axvline(estimate.budget_bytes / unit, color="black", label="budget")
+        axes.axvline(
+            usable_budget(estimate.budget_bytes) / unit,
+            color="black",
+            linestyle="--",
+            label="plans fill at most",
+        )
+    axes.set_yticks([])
+    axes.set_xlabel(f"{unit_name} per device")
+    axes.set_title(estimate_title(estimate), fontsize=9)
+    axes.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def _draw_layout(axes, variable: VariableSharding, count: int, mesh: MeshSpec) -> None:
