@@ -130,6 +130,14 @@ BENCHMARKS = {
             "peak, ring bytes",
         ),
         Benchmark(
+            "generate_cache",
+            "benchmarks.generate_cache",
+            "generate",
+            ("--models", "gpt2", "llama"),
+            "the generate job: estimated peak and key/value cache against a "
+            "compiled KerasHub generate_step",
+        ),
+        Benchmark(
             "torch_loading",
             "benchmarks.torch_loading",
             "torch-loading",

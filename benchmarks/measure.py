@@ -255,3 +255,67 @@ def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
     scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, scale_floor)
     diff = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
     return diff / scale if scale > 0 else diff
+
+
+# The KerasHub task that generates with each zoo backbone.
+CAUSAL_LM = {
+    "gpt2": "GPT2CausalLM",
+    "opt": "OPTCausalLM",
+    "gemma": "GemmaCausalLM",
+    "llama": "LlamaCausalLM",
+}
+
+
+def compiled_generate_step(task, distribution, x):
+    """Compile `task.generate_step` on the token batch `x` as KerasHub's JAX
+    `generate` jits it (variables passed as state through a
+    `StatelessScope`, the batch laid out by `distribution`), without
+    running it."""
+    import itertools
+
+    import jax
+
+    def generate(inputs, state):
+        mapping = itertools.chain(
+            zip(task.trainable_variables, state[0]),
+            zip(task.non_trainable_variables, state[1]),
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            return task.generate_step(inputs, None)
+
+    state = (
+        [v.value for v in task.trainable_variables],
+        [v.value for v in task.non_trainable_variables],
+    )
+    inputs = {
+        name: jax.device_put(
+            value, distribution.get_data_layout(value.shape).backend_layout
+        )
+        for name, value in x.items()
+    }
+    return jax.jit(generate).lower(inputs, state).compile()
+
+
+def planned_generate(name: str, shape: tuple[int, ...]):
+    """Plan the zoo backbone `name`'s KerasHub CausalLM for `job="generate"`
+    on a (batch, model) mesh of `shape` (the task built around an abstract
+    backbone), then compile its `generate_step` as planned on the zoo's
+    token batch; `(plan, compiled)`."""
+    import keras_hub
+
+    from benchmarks import zoo
+    from keras_autoshard import build_abstract, plan
+
+    task_class = getattr(keras_hub.models, CAUSAL_LM[name])
+    build = getattr(zoo, name)
+    x = zoo.token_inputs(1024)
+    abstract = task_class(backbone=build_abstract(build), preprocessor=None)
+    sharding_plan = plan(
+        abstract, MeshSpec(shape, ("batch", "model")), x, job="generate"
+    )
+    distribution = plan_distribution(sharding_plan)
+    with distribution.scope(), names_replayed_after():
+        task = task_class(backbone=build(), preprocessor=None)
+        task.compile(sampler="greedy")
+        compiled = compiled_generate_step(task, distribution, x)
+    return sharding_plan, compiled

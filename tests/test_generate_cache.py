@@ -8,23 +8,20 @@ by `ops.repeat`) must each give one (key, value) pair per attention, at the
 stored (un-repeated) size; a model without attention gives none.
 """
 
-import itertools
 import re
 
-import jax
 import keras
 import numpy as np
 import pytest
 from keras import layers, ops
 
 from benchmarks import zoo
-from benchmarks.measure import plan_distribution
+from benchmarks.measure import planned_generate
 from keras_autoshard import (
     MeshSpec,
     ModelNotTraceableError,
     ShardingPlan,
     build_abstract,
-    names_replayed_after,
     plan,
 )
 from keras_autoshard.graph.builder import build_axis_graph
@@ -105,58 +102,24 @@ def test_generate_job_budgets_the_cache_and_keeps_it_in_json():
     assert again.peak_bytes == estimate.peak_bytes
 
 
-def _compiled_generate_step(task, distribution, x):
-    """Compile `task.generate_step` as KerasHub's JAX `generate` jits it
-    (variables passed as state through a `StatelessScope`)."""
-
-    def generate(inputs, state):
-        mapping = itertools.chain(
-            zip(task.trainable_variables, state[0]),
-            zip(task.non_trainable_variables, state[1]),
-        )
-        with keras.StatelessScope(state_mapping=mapping):
-            return task.generate_step(inputs, None)
-
-    state = (
-        [v.value for v in task.trainable_variables],
-        [v.value for v in task.non_trainable_variables],
-    )
-    inputs = {
-        name: jax.device_put(
-            value, distribution.get_data_layout(value.shape).backend_layout
-        )
-        for name, value in x.items()
-    }
-    return jax.jit(generate).lower(inputs, state).compile()
-
-
 @pytest.mark.slow
 def test_generate_estimate_matches_a_compiled_keras_hub_generate_step():
     keras_hub = pytest.importorskip("keras_hub")
-    x = zoo.token_inputs(1024)
-
-    def task(backbone):
-        return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-
-    # Grouped-query Llama (2 key/value heads) with its own output head: the
-    # task is planned, so its logits count. A task's constructor compiles
-    # an optimizer, which cannot be built abstractly: the backbone is, and
-    # a builder of the whole task is refused with that fix.
-    mesh = MeshSpec((2, 4), ("batch", "model"))
+    # A task's constructor compiles an optimizer, which cannot be built
+    # abstractly: a builder of the whole task is refused with the fix
+    # (build the backbone abstractly, the task around it), which
+    # `planned_generate` follows.
     with pytest.raises(ModelNotTraceableError, match="build_abstract"):
-        plan(lambda: task(zoo.llama()), mesh, x, job="generate")
-    sharding_plan = plan(
-        task(build_abstract(zoo.llama)),
-        mesh,
-        x,
-        job="generate",
-    )
+        plan(
+            lambda: keras_hub.models.LlamaCausalLM(zoo.llama(), preprocessor=None),
+            MeshSpec((2, 4), ("batch", "model")),
+            zoo.token_inputs(1024),
+            job="generate",
+        )
+    # Grouped-query Llama (2 key/value heads) with its own output head: the
+    # task is planned, so its logits count.
+    sharding_plan, compiled = planned_generate("llama", (2, 4))
     estimate = sharding_plan.estimate
-    distribution = plan_distribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        causal_lm = task(zoo.llama())
-        causal_lm.compile(sampler="greedy")
-        compiled = _compiled_generate_step(causal_lm, distribution, x)
     memory = compiled.memory_analysis()
     peak = (
         memory.argument_size_in_bytes
