@@ -120,6 +120,12 @@ def test_generate_estimate_matches_a_compiled_keras_hub_generate_step():
     # task is planned, so its logits count.
     sharding_plan, compiled = planned_generate("llama", (2, 4))
     estimate = sharding_plan.estimate
+    # The layers that make the keys and values are pinned by the paths
+    # Keras asks (the backbone's layers are pathed from its construction,
+    # not under the task's call of it).
+    pinned = [a.path for a in sharding_plan.activations]
+    assert len(pinned) == 4  # 2 layers × key and value
+    assert all(p.startswith("transformer_layer_") for p in pinned), pinned
     memory = compiled.memory_analysis()
     peak = (
         memory.argument_size_in_bytes

@@ -37,27 +37,59 @@ def split_variable_path(path: str, tops: set[str]) -> tuple[str, str]:
     return "", path
 
 
-def keras_path_prefixes(graph: AxisGraph) -> dict[str, str]:
-    """Top-level trace scope → what Keras puts before it in a layer path.
+def scope_rewrites(graph: AxisGraph) -> dict[str, tuple[str, str]]:
+    """Top-level trace scope → `(drop, add)`: what to drop from the front of
+    a scope under it and what to put there instead, to give Keras's path.
+
+    Read from the variables: a layer's variables carry its Keras path. A
+    subclassed model's layers add the model's name (`("", "subclassed/")`);
+    a functional backbone called inside another model (a KerasHub task)
+    drops the backbone's scope, since Keras paths a layer from where it
+    was first called, the backbone's construction
+    (`("opt_backbone/", "")`); a plain functional model changes nothing.
 
     Args:
         graph: The model's axis graph.
 
     Returns:
-        The prefix (`""` or `"<model name>/"`) of each top-level scope that
-        owns a variable.
+        The rewrite of each top-level scope a variable places.
     """
-    tops = top_level_scopes(graph)
-    prefixes: dict[str, str] = {}
-    for tensor in graph.tensors:
-        if tensor.kind in ("param", "state") and tensor.name:
-            prefix, under = split_variable_path(tensor.name, tops)
-            top = under.partition("/")[0]
-            if top in tops:
-                prefixes.setdefault(top, prefix)
-    return prefixes
+    layer_paths = {
+        t.name.rpartition("/")[0]
+        for t in graph.tensors
+        if t.kind in ("param", "state") and t.name and "/" in t.name
+    }
+    scopes = [scope for scope, _ in graph.scope_outputs]
+    rewrites: dict[str, tuple[str, str]] = {}
+    for scope in scopes:  # the longest suffix that is a layer's path
+        parts = scope.split("/")
+        if parts[0] in rewrites:
+            continue
+        for index in range(len(parts)):
+            if "/".join(parts[index:]) in layer_paths:
+                rewrites[parts[0]] = ("".join(f"{p}/" for p in parts[:index]), "")
+                break
+    known = set(scopes)
+    for path in sorted(layer_paths):  # a scope that is the end of a path
+        parts = path.split("/")
+        for index in range(1, len(parts)):
+            if "/".join(parts[index:]) in known:
+                added = "".join(f"{p}/" for p in parts[:index])
+                rewrites.setdefault(parts[index], ("", added))
+                break
+    return rewrites
 
 
-def keras_layer_path(scope: str, prefixes: Mapping[str, str]) -> str:
-    """The path Keras gives the layer of trace scope `scope`."""
-    return prefixes.get(scope.partition("/")[0], "") + scope
+def keras_layer_path(scope: str, rewrites: Mapping[str, tuple[str, str]]) -> str:
+    """The path Keras gives the layer of trace scope `scope` (its output's
+    layout is asked as this path + `"/output"`).
+
+    Args:
+        scope: A trace scope.
+        rewrites: `scope_rewrites` of the trace.
+
+    Returns:
+        The Keras layer path.
+    """
+    drop, add = rewrites.get(scope.partition("/")[0], ("", ""))
+    return add + (scope[len(drop) :] if scope.startswith(drop) else scope)

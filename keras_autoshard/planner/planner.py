@@ -508,7 +508,9 @@ def _build_plan(
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )
     batch_axis = _batch_axis(graph, assignment)
-    activations, pin_notes = output_layouts(graph, assignment, pinned, sequence)
+    activations, pin_notes = output_layouts(
+        graph, assignment, pinned, sequence, estimate.job if estimate else "train"
+    )
     if estimate is not None:
         pin_notes.append(_memory_note(estimate))
     plan = ShardingPlan(
