@@ -192,20 +192,35 @@ def test_inspect_prints_the_compiled_report_beside_the_estimate(builder_inspect)
 
 
 def test_inspect_flags_estimates_that_differ_by_more_than_the_tolerance():
-    # The estimated peak is a few percent off the compiled one on this
-    # model: with a tolerance of 0.1 % that row must be flagged.
+    # An inference plan's estimated peak is compared with the compiled
+    # forward step's, a few percent off on this model: with a tolerance of
+    # 0.1 % that row must be flagged.
     result = run_cli(
         "--devices",
         "8",
         "inspect",
         "--builder",
         "benchmarks.zoo:build_mlp_block",
+        "--job",
+        "inference",
         "--tolerance",
         "0.001",
     )
     assert "DIFFERS (>0%)" in result.stdout or "DIFFERS (>0.1%)" in result.stdout
-    assert "peak per device" in result.stdout
+    assert "peak per device (forward step)" in result.stdout
+    assert "train-step communication" not in result.stdout
     assert "differ from the compiled program by more than" in result.stdout
+
+
+def test_inspect_refuses_the_generate_job_with_what_to_do(capsys):
+    from keras_autoshard.cli.main import main
+
+    code = main(
+        ["inspect", "--builder", "benchmarks.zoo:build_mlp_block", "--job", "generate"]
+    )
+    assert code == 1
+    error = capsys.readouterr().err
+    assert "--job generate" in error and "benchmarks.generate_cache" in error
 
 
 def test_inspect_json_holds_the_compiled_report(builder_inspect):

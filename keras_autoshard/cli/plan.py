@@ -25,6 +25,7 @@ from keras_autoshard.cli.model_sources import (
     sample_batch,
     sample_targets,
 )
+from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.plan_table import build_plan_table, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,14 @@ def run_inspect(args: argparse.Namespace) -> int:
         planner_estimates,
     )
 
+    if args.job == "generate":
+        raise PlanError(
+            "inspect compiles Keras's train and predict steps; --job generate "
+            "plans a generation step, which a KerasHub CausalLM has and the "
+            "command line's backbones do not. Inspect --job inference here; "
+            "the generate estimate is checked against a compiled CausalLM "
+            "generate_step by `python -m benchmarks.generate_cache`."
+        )
     source = model_source(args)
     result, sample = make_plan(args, source)
     distribution = PlanDistribution(result.plan)
@@ -116,7 +125,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     console = Console(width=args.width)
     console.print(
         f"Planned {source.description} on mesh {result.plan.mesh.describe()} "
-        f"in {result.planning_time_s:.1f} s; compiled one train step.",
+        f"in {result.planning_time_s:.1f} s; compiled one train step and one "
+        "forward step.",
         markup=False,
         highlight=False,
     )

@@ -20,12 +20,13 @@ Pure functions of the axis graph and an `Assignment`. For a training step
   input gradient and that gradient's all-reduced copy live at once), or an
   equation's own (a max pooling's gradient, `workspaces`).
 
-For inference (`predict`), the parameters, the data and twice the largest
-activation. Generation (`generate`) adds the key/value cache: the key and
-the value of every attention (`AxisGraph.key_values`, found by graph shape
-in `graph/kv_cache.py`) at the traced sequence length, cut like them; the
-prompt's forward pass is the inference part. Everything is bytes per
-device; `peak_bytes` is the sum.
+For inference (`predict`), the parameters, the data, the predictions (the
+outputs it returns) and twice the largest activation. Generation
+(`generate`) counts the same but the predictions (only tokens are
+returned), plus the key/value cache: the key and the value of every
+attention (`AxisGraph.key_values`, found by graph shape in
+`graph/kv_cache.py`) at the traced sequence length, cut like them.
+Everything is bytes per device; `peak_bytes` is the sum.
 """
 
 from __future__ import annotations
@@ -111,13 +112,26 @@ def estimate_memory(
             largest_derived = max(largest_derived, size)
     if job != "train":
         cache = cache_bytes(graph, assignment, sizes) if job == "generate" else 0
+        # `predict` returns every output; generation keeps only its tokens
+        # (the prompt's outputs are not returned, so XLA drops them).
+        predictions = (
+            terms_bytes(
+                graph,
+                [(t, 1.0) for t in graph.outputs],
+                assignment,
+                sizes,
+                half_as_single,
+            )
+            if job == "inference"
+            else 0.0
+        )
         return PlanEstimate(
             parameter_bytes=int(parameters),
             gradient_bytes=0,
             optimizer_bytes=0,
             activation_bytes=0,
             data_bytes=int(inputs),
-            transient_bytes=int(2 * max(largest, largest_derived)),
+            transient_bytes=int(2 * max(largest, largest_derived) + predictions),
             cache_bytes=int(cache),
             job=job,
         )

@@ -94,6 +94,10 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
             add(tensor, True, copies - gradient if train else 1.0)
         elif tensor.kind == "input":
             add(tensor, False, part)
+    if options.job == "inference":  # the predictions predict returns
+        for tid in graph.outputs:
+            tensor = graph.tensors[tid]
+            add(tensor, False, widening(tensor, half))
     if options.job == "generate":
         for pair in graph.key_values:
             for tid in pair:

@@ -102,6 +102,43 @@ def inspect_compiled(
     )
 
 
+def inspect_forward(model, distribution, x, compiler_options=None) -> CompiledStep:
+    """Compile one forward step (as `model.predict` jits it) and report it:
+    what `inspect_compiled` reports as `forward_step`, without compiling a
+    train step (an inference plan's model needs no optimizer).
+
+    Args:
+        model: A built `keras.Model` created under `distribution.scope()`.
+        distribution: The active `keras.distribution.Distribution`.
+        x: The inputs of one global batch.
+        compiler_options: XLA options for the compilation.
+
+    Returns:
+        A `CompiledStep` named `"forward_step"`.
+
+    Example:
+
+    ```python
+    with dist.scope():
+        model = build()
+    step = inspect_forward(model, dist, x)
+    print(step.memory["temp_bytes"])
+    ```
+    """
+    if not model.built:
+        raise ValueError(
+            f"inspect_forward needs a built model: call {model.name!r} on a "
+            "batch (or build it) under the distribution's scope first."
+        )
+    with distribution.scope():
+        (distributed,) = _distribute_data((x,))
+        forward = _compile_forward_step(model, distributed, compiler_options)
+    mesh = MeshSpec(
+        tuple(distribution.device_mesh.shape), distribution.device_mesh.axis_names
+    )
+    return _step_report("forward_step", forward, mesh)
+
+
 # An HLO instruction that is a matrix product: `%dot.3 = f32[..] dot(...)`.
 _MATMUL = re.compile(r"= [^=]*? (?:dot|convolution)\(")
 

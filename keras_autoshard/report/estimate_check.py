@@ -19,6 +19,7 @@ from keras_autoshard.report.compiled_report import CompiledReport
 
 DEFAULT_TOLERANCE = 0.10
 PEAK = "peak per device (train step)"
+FORWARD_PEAK = "peak per device (forward step)"
 
 
 def compiled_peak_bytes(memory: Mapping[str, int]) -> int:
@@ -77,7 +78,11 @@ def planner_estimates(cost, estimate=None) -> dict[str, float]:
 
     Returns:
         Quantity → bytes per device; `"communication over <axis>"` per axis.
+        For an inference plan, the parameters and the forward step's peak
+        only (a train step is not what it plans for).
     """
+    if estimate is not None and estimate.job != "train":
+        return {"parameters": cost.parameter_bytes, FORWARD_PEAK: estimate.peak_bytes}
     estimates = {
         "parameters": cost.parameter_bytes,
         "optimizer state": cost.optimizer_bytes,
@@ -120,6 +125,7 @@ def check_estimates(
         "optimizer state": report.optimizer_bytes_per_device,
         "train-step communication": step.operand_bytes(),
         PEAK: compiled_peak_bytes(step.memory),
+        FORWARD_PEAK: compiled_peak_bytes(report.forward_step.memory),
     }
     checks = []
     for quantity, estimated in estimates.items():
