@@ -1,6 +1,18 @@
-"""Test set-up: JAX backend and 8 simulated host devices, before JAX starts."""
+"""Test set-up: JAX backend and 8 simulated host devices, before JAX starts;
+compiled programs shared within the run.
 
+XLA programs that the suite compiles more than once (the same model's step
+on the same devices, in several tests) are compiled once: JAX's
+compilation cache is pointed at a directory made for this run and removed
+after it, for this process only (subprocesses of the tests compile on
+their own). It changes no result: a cached executable is the one the
+compiler made for the same program and options.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -8,3 +20,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
 
 simulate_devices(8)
+
+import jax  # noqa: E402
+
+_COMPILED = tempfile.mkdtemp(prefix="keras_autoshard_tests_xla_")
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILED)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
