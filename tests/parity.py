@@ -112,7 +112,7 @@ def _reference_run(build, reference, x, y, steps, accumulation_steps) -> dict:
         outputs = [np.asarray(o) for o in jax.tree_util.tree_leaves(reference(x))]
         gradients = [np.asarray(g) for g in mse_gradients(reference, x, y)]
         reference.compile(optimizer=_adam(accumulation_steps), loss="mse")
-        losses = [float(reference.train_on_batch(x, y)) for _ in range(steps)]
+        losses = [reference.train_on_batch(x, y) for _ in range(steps)]
         weights = [np.asarray(v.value) for v in reference.trainable_variables]
         _REFERENCE_RUNS[key] = {
             "outputs": outputs,

@@ -94,7 +94,14 @@ def test_generate_job_budgets_the_cache_and_keeps_it_in_json():
     # batch at least.
     whole = 4 * BATCH * SEQ * 2 * (4 * 16 + 2 * 8)
     assert 0 < estimate.cache_bytes <= whole / 2
-    assert estimate.peak_bytes == inference.estimate.peak_bytes + estimate.cache_bytes
+    # Inference counts the predictions predict returns (the model's output,
+    # cut by the plan); generation returns tokens only, and adds the cache.
+    predictions = inference.estimate.transient_bytes - estimate.transient_bytes
+    assert 0 < predictions <= 4 * BATCH * SEQ * HIDDEN
+    assert estimate.parameter_bytes == inference.estimate.parameter_bytes
+    assert estimate.peak_bytes == (
+        inference.estimate.peak_bytes - predictions + estimate.cache_bytes
+    )
     assert inference.estimate.cache_bytes == 0
     assert "key/value cache" in generate.summary()
     again = ShardingPlan.from_json(generate.to_json()).estimate

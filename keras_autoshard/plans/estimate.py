@@ -138,7 +138,7 @@ class PlanEstimate:
     def from_dict(cls, data: Mapping[str, Any]) -> PlanEstimate:
         """Read `to_dict`'s form (`peak_bytes` is recomputed, not trusted)."""
         return cls(
-            **{name: int(data[name]) for name in _BYTE_FIELDS[:-1]},
+            **{name: int(data[name]) for name in _BYTE_FIELDS if name != "cache_bytes"},
             # Plans written before the generate job have no cache.
             cache_bytes=int(data.get("cache_bytes", 0)),
             communication_by_axis=dict(data.get("communication_by_axis") or {}),
