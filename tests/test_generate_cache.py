@@ -20,6 +20,7 @@ from benchmarks.measure import planned_generate
 from keras_autoshard import (
     MeshSpec,
     ModelNotTraceableError,
+    PlanError,
     ShardingPlan,
     build_abstract,
     plan,
@@ -107,6 +108,16 @@ def test_generate_job_budgets_the_cache_and_keeps_it_in_json():
     again = ShardingPlan.from_json(generate.to_json()).estimate
     assert again.cache_bytes == estimate.cache_bytes
     assert again.peak_bytes == estimate.peak_bytes
+    # A budget the state fits but not the batch's part: what would fit is a
+    # smaller batch or shorter sequences, never gradient accumulation (no
+    # optimizer generates).
+    state = estimate.parameter_bytes
+    tight = int((state + 0.2 * (estimate.peak_bytes - state)) / 0.9)
+    with pytest.raises(PlanError, match="No plan fits") as error:
+        plan(_attention_model, mesh, x, job="generate", memory_budget=tight)
+    assert "smaller per step (or shorter sequences" in str(error.value)
+    assert "key/value cache grow" in str(error.value)
+    assert "accumulation" not in str(error.value)
 
 
 @pytest.mark.slow

@@ -424,7 +424,7 @@ def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     per_batch = estimate.activation_bytes + estimate.data_bytes
-    per_batch += estimate.transient_bytes
+    per_batch += estimate.transient_bytes + estimate.cache_bytes
     suggestions = []
     devices = mesh.device_count
     needed = devices * estimate.peak_bytes / max(budget, 1)
@@ -434,11 +434,19 @@ def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     )
     if state < budget and per_batch > 0:
         steps = max(2, math.ceil(per_batch / (budget - state)))
-        suggestions.append(
-            f"a batch {steps}x smaller per step, or gradient accumulation "
-            f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
-            f"the optimizer, each step fed 1/{steps} of the batch)"
-        )
+        if estimate.job == "train":
+            suggestions.append(
+                f"a batch {steps}x smaller per step, or gradient accumulation "
+                f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
+                f"the optimizer, each step fed 1/{steps} of the batch)"
+            )
+        else:  # no optimizer to accumulate in: the batch, or the sequence
+            suggestions.append(
+                f"a batch {steps}x smaller per step (or shorter sequences: "
+                "the largest activations"
+                + (" and the key/value cache" if estimate.job == "generate" else "")
+                + " grow with them)"
+            )
     else:
         suggestions.append(
             f"the model's state alone ({format_bytes(state)} per device) "

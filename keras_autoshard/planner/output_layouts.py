@@ -46,12 +46,7 @@ def output_layouts(
         `(layouts, notes)`.
     """
     storage = storage_cut_layouts(graph, assignment, pinned, job)
-    notes = [
-        f"{path} pinned to {spec}: the layer's parameters are cut for "
-        "storage only, so its output is laid out once instead of carrying "
-        "their cut into every later layer."
-        for path, spec in storage.items()
-    ]
+    notes = _storage_notes(storage)
     layouts = dict(storage)
     if sequence is not None:
         notes.extend(sequence.notes)
@@ -80,6 +75,30 @@ def output_layouts(
             )
     activations = tuple(ActivationLayout(path, spec) for path, spec in layouts.items())
     return activations, notes
+
+
+def _storage_notes(storage: Mapping[str, tuple]) -> list[str]:
+    """One note per pinned spec (a 70B model pins 161 norm outputs alike:
+    one line, three of them named, not 161)."""
+    by_spec: dict[tuple, list[str]] = {}
+    for path, spec in storage.items():
+        by_spec.setdefault(spec, []).append(path)
+    notes = []
+    for spec, paths in by_spec.items():
+        if len(paths) == 1:
+            notes.append(
+                f"{paths[0]} pinned to {spec}: the layer's parameters are cut "
+                "for storage only, so its output is laid out once instead of "
+                "carrying their cut into every later layer."
+            )
+            continue
+        named = ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+        notes.append(
+            f"{len(paths)} layer outputs pinned to {spec} ({named}): their "
+            "layers' parameters are cut for storage only, so each output is "
+            "laid out once instead of carrying their cut into every later layer."
+        )
+    return notes
 
 
 def key_value_layouts(
