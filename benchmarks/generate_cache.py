@@ -33,8 +33,6 @@ from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
 simulate_devices(8)
 
 import argparse  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
@@ -45,44 +43,23 @@ SECTION_NAME = "generate"
 MODELS = ("gpt2", "opt", "gemma", "llama")
 MESHES = ((2, 4), (1, 8), (8, 1))
 COMMAND = "python -m benchmarks.generate_cache --output BENCHMARKS.md"
-# A float32 cache: (batch, layers, 2, tokens = 64, heads, head dim).
-_CACHE = re.compile(r"f32\[(\d+),(\d+),2,64,(\d+),(\d+)\]")
-
-
-def compiled_cache_bytes(hlo_text: str) -> int:
-    """Bytes of the largest cache-shaped buffer in an optimized HLO.
-
-    Args:
-        hlo_text: `compiled.as_text()`.
-
-    Returns:
-        Bytes per device (0 if none is found).
-    """
-    shapes = {
-        (int(b), int(n), 2, 64, int(h), int(d))
-        for b, n, h, d in _CACHE.findall(hlo_text)
-    }
-    return max((4 * math.prod(s) for s in shapes), default=0)
 
 
 def measure(name: str, shape: tuple[int, int]) -> dict:
     """One model's generate step on one mesh."""
-    from benchmarks.measure import planned_generate
+    from benchmarks.measure import (
+        cache_buffer_bytes,
+        executable_peak_bytes,
+        planned_generate,
+    )
 
     sharding_plan, compiled = planned_generate(name, shape)
-    memory = compiled.memory_analysis()
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
     return {
         "model": name,
         "mesh": f"{shape[0]}x{shape[1]}",
         "estimate": sharding_plan.estimate.to_dict(),
-        "compiled_peak": peak,
-        "compiled_cache": compiled_cache_bytes(compiled.as_text()),
+        "compiled_peak": executable_peak_bytes(compiled),
+        "compiled_cache": max(cache_buffer_bytes(compiled.as_text()), default=0),
     }
 
 

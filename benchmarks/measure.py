@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import re
 import statistics
 import time
 from typing import Any
@@ -294,6 +296,32 @@ def compiled_generate_step(task, distribution, x):
         for name, value in x.items()
     }
     return jax.jit(generate).lower(inputs, state).compile()
+
+
+def executable_peak_bytes(compiled) -> int:
+    """What a compiled executable needs at its peak per device, from XLA's
+    memory analysis: arguments + outputs + temporaries − aliased."""
+    memory = compiled.memory_analysis()
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
+
+
+# A float32 generation cache of the zoo's batches in optimized HLO:
+# (batch, layers, key and value, tokens = 64, heads, head dim).
+_CACHE_BUFFER = re.compile(r"f32\[(\d+),(\d+),2,64,(\d+),(\d+)\]")
+
+
+def cache_buffer_bytes(hlo_text: str) -> set[int]:
+    """Bytes per device of each distinct buffer of the whole cache (every
+    layer; a decode step's one-layer slices are left out) in an optimized
+    HLO (empty when there is none)."""
+    shapes = [tuple(int(d) for d in dims) for dims in _CACHE_BUFFER.findall(hlo_text)]
+    layers = max((shape[1] for shape in shapes), default=0)
+    return {4 * math.prod(shape) * 2 * 64 for shape in shapes if shape[1] == layers}
 
 
 def planned_generate(name: str, shape: tuple[int, ...]):
