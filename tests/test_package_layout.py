@@ -31,6 +31,8 @@ import pathlib
 
 import pytest
 
+from tools import python_source
+
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_autoshard"
 
 STAGES = {
@@ -80,7 +82,7 @@ def _imported_modules(module: str) -> set[str]:
     """Package modules `module` imports anywhere (functions included), except
     annotation-only imports under `if TYPE_CHECKING:`."""
     path = MODULES[module]
-    tree = ast.parse(path.read_text())
+    tree = python_source.parse(path.read_text())
     skipped = set()
     for node in ast.walk(tree):
         if _is_type_checking_block(node):
@@ -216,7 +218,7 @@ def keras_assignments(source: str) -> list[str]:
     """Assignments to attributes of Keras modules or classes in `source`:
     `keras.x = ...`, `Trainer.fit = ...`, `setattr(Trainer, ...)`,
     `del keras.x`, augmented assignments too."""
-    tree = ast.parse(source)
+    tree = python_source.parse(source)
     keras_names = _keras_names(tree)
     found = []
     for node in ast.walk(tree):
@@ -266,7 +268,7 @@ def test_the_mesh_axis_vocabulary_is_defined_once_and_roles_never_reuse_it():
     definitions = [
         (module, node.targets[0].id)
         for module, path in MODULES.items()
-        for node in ast.parse(path.read_text()).body
+        for node in python_source.parse(path.read_text()).body
         if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Name)
         and node.targets[0].id in names + ("DATA_AXIS", "MODEL_AXIS")
@@ -281,6 +283,6 @@ def test_the_mesh_axis_vocabulary_is_defined_once_and_roles_never_reuse_it():
 def _string_literals(source: str) -> list[str]:
     return [
         repr(node.value)
-        for node in ast.walk(ast.parse(source))
+        for node in ast.walk(python_source.parse(source))
         if isinstance(node, ast.Constant) and isinstance(node.value, str)
     ]

@@ -22,6 +22,8 @@ import sys
 import types
 from collections.abc import Callable
 
+from tools import python_source
+
 PLACEHOLDER = "{…}"
 
 
@@ -288,7 +290,7 @@ def message_templates(module_path: str) -> list[str]:
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, module_path), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
+        tree = python_source.parse(f.read())
     templates = []
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
