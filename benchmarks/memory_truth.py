@@ -16,7 +16,9 @@ python -m benchmarks.memory_truth [--output BENCHMARKS.md] [--skip-real-sizes]
    inputs and targets, transient, peak) against XLA's memory analysis of the
    jitted Keras train step (arguments + outputs + temporaries − aliased),
    and their ratio. XLA:CPU runs bfloat16 arithmetic in float32, and the
-   estimate for a CPU plan counts it so.
+   estimate for a CPU plan counts it so: its work buffers, and the float32
+   copies of the bfloat16 operands of matrix products that it keeps for the
+   backward pass (`cost_model.kept_widening`).
 2. Real sizes, no weights allocated, each planned in a fresh process on
    this machine with the H100-80GB profile: Llama-2-70B (batch 256 × 4096) on
    32x8 (also with `sequence_parallel="auto"`), Llama-3-8B (32 × 8192) on

@@ -20,6 +20,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.planner.cost_model import kept_widening
 
 BATCH, SEQ = 2, 16
 
@@ -381,7 +382,7 @@ def test_sequential_cnn():
     assert graph.classes[batch].shardable
     assert all(t.dim_classes[0] == batch for t in graph.tensors if t.shape[:1] == (4,))
     # Flatten merges (H, W, C): the channel class becomes a minor factor.
-    flat = trace_model(_cnn(keras.layers.Flatten()), x)
+    flat = trace_model(_cnn(keras.layers.Flatten(name="flatten")), x)
     c2_flat = flat.param("cnn/conv2/kernel").dim_classes[3]
     reason = flat.classes[c2_flat].unshardable_reason
     assert reason == "minor factor of reshape merge in layer 'flatten'"
@@ -487,3 +488,40 @@ def test_graph_needs_no_weights():
     assert param.nbytes == 65536 * 65536 * 4
     assert param.requires_grad and not _input(graph, "x").requires_grad
     assert "AxisGraph" in graph.summary()
+
+
+def test_bfloat16_residuals_read_by_matmuls_are_kept_at_float32_width_on_cpu():
+    """XLA:CPU keeps the float32 copies of a product's bfloat16 operands
+    (kernel casts, the product's input) for the backward pass, and other
+    bfloat16 residuals (a gate's two factors) at their own width."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        x = keras.Input((16,))
+        gated = keras.layers.Multiply()(
+            [
+                keras.layers.Dense(64, name="gate")(x),
+                keras.layers.Dense(64, name="up")(x),
+            ]
+        )
+        model = keras.Model(x, keras.layers.Dense(16, name="down")(gated))
+        graph = trace_model(model, jax.ShapeDtypeStruct((8, 16), "float32"))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    widths = {}
+    for kept in graph.residuals:
+        tensor = graph.tensors[kept.tensor]
+        if tensor.itemsize == 2:
+            on_cpu = kept_widening(graph, tensor, half_as_single=True)
+            widths.setdefault(tensor.shape, set()).add(on_cpu)
+            assert kept_widening(graph, tensor, half_as_single=False) == 1.0
+    # Read by products: the input's cast (which gate's and up's kernel
+    # gradients need; their kernels' casts are not kept, the input has no
+    # gradient), down's kernel cast and the gated product. Read only by the
+    # multiply: the gate's and up's outputs.
+    assert widths == {(64, 16): {2.0}, (8, 16): {2.0}, (8, 64): {1.0, 2.0}}
+    products = [
+        t
+        for t in graph.tensors
+        if t.shape == (8, 64) and t.id in graph.matmul_operand_ids
+    ]
+    assert len(products) == 1

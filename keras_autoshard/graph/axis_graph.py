@@ -18,6 +18,7 @@ fills it lives in `keras_autoshard.graph.builder`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections import Counter
@@ -334,6 +335,8 @@ class AxisGraph:
             last of them in call order.
         key_values: `(key, value)` tensor ids of each attention, as a
             generation cache stores them (`graph/kv_cache.py`).
+        matmul_operands: Tensor ids read by a matrix product
+            (`dot_general`) or a convolution, as either operand.
 
     Example:
 
@@ -363,6 +366,12 @@ class AxisGraph:
     unread: tuple[int, ...] = ()
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
+    matmul_operands: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def matmul_operand_ids(self) -> frozenset[int]:
+        """`matmul_operands` as a set."""
+        return frozenset(self.matmul_operands)
 
     def params(self) -> list[TensorNode]:
         """The `"param"` tensors, in invar order."""

@@ -228,6 +228,8 @@ class _GraphBuilder:
         # and a repeat's result -> the tensor it repeats (`graph/kv_cache.py`).
         self.activation_products: list[tuple[int, int, int]] = []
         self.repeat_of: dict[int, int] = {}
+        # Operands of every matrix product and convolution (`matmul_operands`).
+        self.matmul_operands: set[int] = set()
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
@@ -329,6 +331,12 @@ class _GraphBuilder:
         if same_count and source.itemsize == result.itemsize:
             self.view_of[out] = self.view_of.get(operand, operand)
 
+    def note_matmul_operands(self, *tids: int) -> None:
+        """Note the operands of a matrix product or convolution, and the
+        tensors they are views of (residuals are recorded by the source)."""
+        for tid in tids:
+            self.matmul_operands.update((tid, self.view_of.get(tid, tid)))
+
     def unify(self, a: tuple[int, int], b: tuple[int, int], primitive: str) -> None:
         """Put dim `a[1]` of tensor `a[0]` and dim `b[1]` of `b[0]` in one class."""
         elem_a, elem_b = self.element(*a), self.element(*b)
@@ -425,6 +433,7 @@ class _GraphBuilder:
             ),
             grouped_convs=tuple(self.grouped_convs),
             key_values=key_value_pairs(self),
+            matmul_operands=tuple(sorted(self.matmul_operands)),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),
             workspaces=tuple(sorted(self.workspaces.items())),

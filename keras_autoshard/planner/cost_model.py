@@ -191,11 +191,27 @@ def kept_bytes(
     rematerialized layers `remat` (`planner/remat.py`), each cut like its
     tensor, plus residuals no tensor holds (counted whole).
 
-    `half_as_single` counts 2-byte activations at 4 bytes: XLA:CPU runs
-    bfloat16 and float16 arithmetic in float32 (its float normalisation), so
-    a CPU program keeps them at that size."""
-    return graph.other_residual_bytes + terms_bytes(
+    `half_as_single`: see `kept_widening`."""
+    return graph.other_residual_bytes + kept_terms_bytes(
         graph, kept_terms(graph, remat), assignment, sizes, half_as_single
+    )
+
+
+def kept_terms_bytes(
+    graph: AxisGraph,
+    terms,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    half_as_single: bool = False,
+) -> float:
+    """Bytes one device keeps of `(tensor id, bytes per tensor byte)`
+    residual terms, each cut like its tensor and as wide as
+    `kept_widening` says."""
+    return sum(
+        local_bytes(graph.tensors[tid], assignment, sizes)
+        * factor
+        * kept_widening(graph, graph.tensors[tid], half_as_single)
+        for tid, factor in terms
     )
 
 
@@ -207,7 +223,7 @@ def terms_bytes(
     half_as_single: bool = False,
 ) -> float:
     """Bytes one device holds of `(tensor id, bytes per tensor byte)`
-    activation terms, each cut like its tensor (see `kept_bytes` for
+    activation terms, each cut like its tensor (see `widening` for
     `half_as_single`)."""
     return sum(
         local_bytes(graph.tensors[tid], assignment, sizes)
@@ -237,8 +253,29 @@ def gathered_bytes(
 
 
 def widening(tensor: TensorNode, half_as_single: bool) -> float:
-    """2 for a 2-byte tensor when half floats run as float32, else 1."""
+    """2 for a 2-byte tensor when half floats run as float32, else 1.
+
+    `half_as_single`: XLA:CPU runs bfloat16 and float16 arithmetic in
+    float32 (its float normalisation), so the buffers a computation works in
+    (a layer's output gradient, a loss's difference) are float32 there."""
     return 2.0 if half_as_single and tensor.itemsize == 2 else 1.0
+
+
+def kept_widening(graph: AxisGraph, tensor: TensorNode, half_as_single: bool) -> float:
+    """How much wider than its own dtype a residual is kept: 2 for a
+    2-byte operand of a matrix product or convolution when half floats run
+    as float32, else 1.
+
+    XLA:CPU computes a bfloat16 product in float32: it converts the
+    operands and keeps that float32 copy for the backward pass's products
+    too (a bfloat16 kernel cast, a normalised input, attention
+    probabilities), while other bfloat16 residuals (a product's output
+    before its activation function, a sine table) stay bfloat16. Measured
+    on the zoo's Llama under `mixed_bfloat16` on 2x4 (`xla_dump_to`, the
+    buffers live at the compiled step's peak)."""
+    if not half_as_single or tensor.itemsize != 2:
+        return 1.0
+    return 2.0 if tensor.id in graph.matmul_operand_ids else 1.0
 
 
 def contraction_flops(graph: AxisGraph, event: CommEvent) -> float:

@@ -42,6 +42,7 @@ from keras_autoshard.planner.cost_model import (
     gathered_bytes,
     iteration_classes,
     kept_bytes,
+    kept_terms_bytes,
     local_bytes,
     tensor_axes,
     terms_bytes,
@@ -71,8 +72,10 @@ def estimate_memory(
         assignment: The candidate sharding.
         optimizer_slots: Optimizer state per trainable parameter, in copies.
         job: `"train"`, `"inference"` or `"generate"`.
-        half_as_single: Count 2-byte activations at 4 bytes (XLA:CPU runs
-            half-precision arithmetic in float32; accelerators do not).
+        half_as_single: Count 2-byte work buffers, and 2-byte residuals
+            that matrix products read, at 4 bytes (XLA:CPU runs
+            half-precision arithmetic in float32; accelerators do not; see
+            `cost_model.widening` and `cost_model.kept_widening`).
         remat: Names of the top-level layers rematerialized
             (`planner/remat.py`).
         micro_batches: Gradient accumulation: the batch is fed in this many
@@ -231,7 +234,7 @@ def _staged_peak(
     KerasHub layers by up to a fifth)."""
     part = 1.0 / micro_batches
     held, stages = backward_stages(graph, remat)
-    always = graph.other_residual_bytes + terms_bytes(
+    always = graph.other_residual_bytes + kept_terms_bytes(
         graph, held, assignment, sizes, half_as_single
     )
     shard = {
@@ -240,7 +243,7 @@ def _staged_peak(
     }
     best = (-1.0, 0.0, 0.0)
     for stage in stages:
-        kept = always + terms_bytes(
+        kept = always + kept_terms_bytes(
             graph, stage.recomputed, assignment, sizes, half_as_single
         )
         gradients = sum(shard[tid] for tid in stage.gradients)

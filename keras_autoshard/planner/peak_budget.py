@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
-from keras_autoshard.planner.cost_model import widening
+from keras_autoshard.planner.cost_model import kept_widening, widening
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
 
@@ -106,7 +106,7 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         constant += graph.other_residual_bytes * part
         for tid, factor in kept_terms(graph, remat):
             tensor = graph.tensors[tid]
-            add(tensor, False, factor * widening(tensor, half) * part)
+            add(tensor, False, factor * kept_widening(graph, tensor, half) * part)
         for tid, factor in gathered_param_terms(graph, remat):
             # The gathered copy (compute layout) less the stored shard.
             add(graph.tensors[tid], False, factor)

@@ -37,6 +37,7 @@ def _rule_dot_general(e: Eqn) -> list[int]:
     for lhs_dim, rhs_dim in zip(lhs_contract, rhs_contract):
         e.unify(lhs, lhs_dim, rhs, rhs_dim)
     e.event("contract", "forward", [e.element(lhs, d) for d in lhs_contract], out)
+    e.builder.note_matmul_operands(lhs, rhs)
     if e.builder.is_activation(lhs) and e.builder.is_activation(rhs):
         e.builder.activation_products.append((lhs, rhs, out))
     if e.requires_grad(lhs):
@@ -80,6 +81,7 @@ def _rule_conv(e: Eqn) -> list[int]:
         e.unify(lhs, lhs_feature, rhs, rhs_in)
         e.unify(rhs, rhs_out, out, out_feature)
     e.event("contract", "forward", [e.element(lhs, lhs_feature)], out)
+    e.builder.note_matmul_operands(lhs, rhs)
     if e.requires_grad(lhs):
         e.event("contract", "backward", [e.element(rhs, rhs_out)], lhs)
     if e.requires_grad(rhs):
