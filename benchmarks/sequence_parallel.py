@@ -141,7 +141,8 @@ def render(rows: Sequence[dict]) -> str:
         "partition, and an all-gather (g−1)/g). Estimate: the plan's peak over "
         "the default schedule's; it counts each cut tensor a column-parallel "
         "matmul reads at its whole size (the gathered copy the backward pass "
-        "keeps for the weight gradient).\n\n" + markdown_table(header, table) + "\n"
+        "keeps for the weight gradient) and each row-parallel output cut (laid "
+        "out whole, held reduce-scattered).\n\n" + markdown_table(header, table) + "\n"
     )
 
 

@@ -284,15 +284,17 @@ def _candidate(
 ) -> Candidate:
     chosen = frozenset(remat)
     sequence = None
+    held = assignment
     if sequence_parallel:
         assignment = dataclasses.replace(assignment, activation_cuts={})
         sequence = sequence_cut(graph, axes, assignment)
+        held = with_sequence_cut(assignment, sequence, held=True)
         assignment = with_sequence_cut(assignment, sequence)
     cost = evaluate(graph, axes, assignment, options)
     memory = estimate_memory(
         graph,
         axes,
-        assignment,
+        held,
         options.optimizer_slots,
         job=options.job,
         half_as_single=options.platform == "cpu",

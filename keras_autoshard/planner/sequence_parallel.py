@@ -28,6 +28,10 @@ and call order, not by what they are) by graph rules:
   weights; measured on KerasHub GPT-2 on 1x4: pinning it cut made XLA
   gather the output kernel and add an all-to-all in the backward pass).
 
+The estimate counts what a device holds, which is not always the layout
+pinned: a cut tensor that a column-parallel matmul reads is counted whole
+(`SequenceCut.gathered`), a row-parallel output cut (`SequenceCut.scattered`).
+
 The plan pins (`Distribution.get_tensor_layout`, `"<layer path>/output"`)
 every sub-layer output of a qualifying layer at its layout, cut or not, and
 the layer outputs that feed the first layer of a family at their planned
@@ -68,6 +72,14 @@ class SequenceCut:
             (the zoo's subclassed model on 1x4 with XLA:CPU's default
             schedule: 0.83 of the compiled peak counting them cut, 0.94
             whole).
+        scattered: Activation tensor id → `((dim, mesh axis), ...)`: tensors
+            laid out whole that XLA holds cut all the same, so the estimate
+            counts them cut: a row-parallel sub-layer's output (its
+            all-reduce becomes a reduce-scatter whose slice fuses into the
+            residual add) and the output of the layer that feeds the first
+            one (sliced by the elementwise work on it). Measured on the zoo's
+            Gemma on 2x4 (`xla_dump_to`, the buffers live at the compiled
+            step's peak): each is kept as a (4, 16, 256) slice, not whole.
         layers: The top-level layers it applies to, in call order.
         pinned_scopes: Layer paths whose outputs the plan pins.
         notes: Why a family of repeated layers was left out, one per family.
@@ -78,6 +90,9 @@ class SequenceCut:
         default_factory=dict
     )
     gathered: frozenset[int] = frozenset()
+    scattered: Mapping[int, tuple[tuple[int, str], ...]] = dataclasses.field(
+        default_factory=dict
+    )
     layers: tuple[str, ...] = ()
     pinned_scopes: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -100,6 +115,7 @@ def sequence_cut(
     scopes = _layer_scopes(graph)
     partial = _partial_sums(graph, assignment)
     cuts: dict[int, tuple[tuple[int, str], ...]] = {}
+    scattered: dict[int, tuple[tuple[int, str], ...]] = {}
     layers: list[str] = []
     pinned: list[str] = []
     notes: list[str] = []
@@ -134,14 +150,15 @@ def sequence_cut(
             continue
         chosen_axis = axis
         family_cuts = {}
+        family_scattered = {}
         for layer in family:
             whole = _outputs_of_cut_owners(graph, scopes, layer, assignment, axis)
             for tensor in made_by.get(layer, ()):
-                if (
-                    tensor.id not in partial
-                    and tensor.id not in whole
-                    and _token_cut_fits(tensor, assignment, axis, sizes[axis])
-                ):
+                if not _token_cut_fits(tensor, assignment, axis, sizes[axis]):
+                    continue
+                if tensor.id in whole:
+                    family_scattered[tensor.id] = ((TOKEN_DIM, axis),)
+                elif tensor.id not in partial:
                     family_cuts[tensor.id] = ((TOKEN_DIM, axis),)
         if not family_cuts:
             notes.append(
@@ -151,8 +168,14 @@ def sequence_cut(
             )
             continue
         cuts.update(family_cuts)
+        scattered.update(family_scattered)
         layers.extend(family)
-        pinned.extend(_feeding_scopes(graph, scopes, family))
+        feeding = _feeding_scopes(graph, scopes, family)
+        pinned.extend(feeding)
+        for scope in feeding:
+            tensor = graph.tensors[scopes[scope]]
+            if _token_cut_fits(tensor, assignment, axis, sizes[axis]):
+                scattered[tensor.id] = ((TOKEN_DIM, axis),)
         pinned.extend(
             scope
             for scope in scopes
@@ -163,21 +186,32 @@ def sequence_cut(
         chosen_axis,
         cuts,
         _gathered_for_matmuls(graph, assignment, cuts, chosen_axis),
+        scattered,
         tuple(layers),
         tuple(dict.fromkeys(pinned)),
         tuple(notes),
     )
 
 
-def with_sequence_cut(assignment: Assignment, cut: SequenceCut) -> Assignment:
-    """`assignment` with the token cuts of `cut` added to its activations,
-    as the estimate counts them (`SequenceCut.gathered` whole)."""
-    return dataclasses.replace(
-        assignment,
-        activation_cuts={
-            tid: dims for tid, dims in cut.cuts.items() if tid not in cut.gathered
-        },
-    )
+def with_sequence_cut(
+    assignment: Assignment, cut: SequenceCut, held: bool = False
+) -> Assignment:
+    """`assignment` with the token cuts of `cut` added to its activations
+    (`SequenceCut.gathered` left whole).
+
+    Args:
+        assignment: The sharding.
+        cut: The sequence cut.
+        held: Lay the tensors out as the estimate counts what a device
+            holds: `SequenceCut.scattered` cut too.
+
+    Returns:
+        The assignment with `activation_cuts` set.
+    """
+    counted = {tid: dims for tid, dims in cut.cuts.items() if tid not in cut.gathered}
+    if held:
+        counted.update(cut.scattered)
+    return dataclasses.replace(assignment, activation_cuts=counted)
 
 
 def pinned_layouts(
