@@ -114,11 +114,16 @@ def key_value_layouts(
     into it. Left alone, it kept OPT's cache whole on an 8x1 mesh (measured:
     2 MiB per device against 256 KiB cut by the batch); pinned, the keys
     and values carry the plan's layout into it. A key or value that is no
-    layer's output (made inside a layer's call) is not pinned.
+    layer's output (made inside a layer's call) is not pinned, nor one made
+    by a layer whose other calls are planned another way: Keras asks one
+    layout per layer path, so the pin would lay out every call alike
+    (Llama's rotary embedding turns both the query and the key; pinning the
+    key's whole heads gathered every query head, measured on 2x4).
     """
     if rewrites is None:
         rewrites = scope_rewrites(graph)
     made_by: dict[int, str] = {}
+    calls = dict(graph.scope_outputs)
     for scope, outputs in graph.scope_outputs:
         for tid in outputs:
             # The innermost scope that returns it: the layer that made it.
@@ -127,9 +132,17 @@ def key_value_layouts(
     layouts = {}
     for pair in graph.key_values:
         for tid in pair:
-            if tid in made_by:
-                path = keras_layer_path(made_by[tid], rewrites)
-                layouts[f"{path}/output"] = tensor_axes(graph.tensors[tid], assignment)
+            if tid not in made_by:
+                continue
+            layout = tensor_axes(graph.tensors[tid], assignment)
+            others = calls[made_by[tid]]
+            if any(
+                tensor_axes(graph.tensors[other], assignment) != layout
+                for other in others
+            ):
+                continue
+            path = keras_layer_path(made_by[tid], rewrites)
+            layouts[f"{path}/output"] = layout
     return layouts
 
 
