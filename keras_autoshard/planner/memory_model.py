@@ -21,7 +21,9 @@ Pure functions of the axis graph and an `Assignment`. For a training step
   equation's own (a max pooling's gradient, `workspaces`).
 
 For inference (`predict`), the parameters, the data, the predictions (the
-outputs it returns) and twice the largest activation. Generation
+outputs it returns) and twice the largest activation of the batch (a
+layer's input and output), or once the largest made from weights alone (a
+gathered, transposed table), whichever is more. Generation
 (`generate`) counts the same but the predictions (only tokens are
 returned), plus the key/value cache: the key and the value of every
 attention (`AxisGraph.key_values`, found by graph shape in
@@ -134,7 +136,7 @@ def estimate_memory(
             optimizer_bytes=0,
             activation_bytes=0,
             data_bytes=int(inputs),
-            transient_bytes=int(2 * max(largest, largest_derived) + predictions),
+            transient_bytes=int(max(2 * largest, largest_derived) + predictions),
             cache_bytes=int(cache),
             job=job,
         )

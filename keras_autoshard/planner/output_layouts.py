@@ -172,7 +172,7 @@ def storage_cut_layouts(
     `layer_paths.scope_rewrites`) is pinned for inference and generation
     only: measured on the zoo's tied model (subclassed) predicting on 8x1,
     unpinned its embedding's cut made XLA keep the logits whole (estimate
-    ÷ compiled 0.33), pinned 1.47; while training the zoo's subclassed
+    ÷ compiled 0.33), pinned 0.93; while training the zoo's subclassed
     model under rematerialization on 2x4, pinning raised the compiled peak
     from 3.35 to 4.10 MB, over the budget it was planned for.
     """

@@ -155,7 +155,10 @@ def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
         if tensor.kind != "activation" or tensor.id in outputs:
             continue
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
-        factor = (3.0 * part if carries_batch else 1.0) if train else 2.0
+        if train:
+            factor = 3.0 * part if carries_batch else 1.0
+        else:  # a layer's input and output; one weight-derived copy
+            factor = 2.0 if carries_batch else 1.0
         factor *= widening(tensor, half)
         key = frozenset(c for c in tensor.dim_classes if c is not None)
         size = tensor.nbytes * factor
