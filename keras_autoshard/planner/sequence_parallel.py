@@ -72,14 +72,15 @@ class SequenceCut:
             (the zoo's subclassed model on 1x4 with XLA:CPU's default
             schedule: 0.83 of the compiled peak counting them cut, 0.94
             whole).
-        scattered: Activation tensor id → `((dim, mesh axis), ...)`: tensors
-            laid out whole that XLA holds cut all the same, so the estimate
-            counts them cut: a row-parallel sub-layer's output (its
-            all-reduce becomes a reduce-scatter whose slice fuses into the
-            residual add) and the output of the layer that feeds the first
-            one (sliced by the elementwise work on it). Measured on the zoo's
-            Gemma on 2x4 (`xla_dump_to`, the buffers live at the compiled
-            step's peak): each is kept as a (4, 16, 256) slice, not whole.
+        scattered: Activation tensor id → `((dim, mesh axis), ...)`: the
+            outputs of row-parallel sub-layers, laid out whole, which XLA
+            holds cut all the same (the all-reduce becomes a reduce-scatter
+            whose slice fuses into the residual add), so the estimate counts
+            them cut. Measured on the zoo's Gemma on 2x4 (`xla_dump_to`, the
+            buffers live at the compiled step's peak): each is kept as a
+            (4, 16, 256) slice, not whole. The output of the layer feeding
+            the first one is not: GPT-2's embedding dropout keeps its whole
+            (4, 64, 256) output.
         layers: The top-level layers it applies to, in call order.
         pinned_scopes: Layer paths whose outputs the plan pins.
         notes: Why a family of repeated layers was left out, one per family.
@@ -170,12 +171,7 @@ def sequence_cut(
         cuts.update(family_cuts)
         scattered.update(family_scattered)
         layers.extend(family)
-        feeding = _feeding_scopes(graph, scopes, family)
-        pinned.extend(feeding)
-        for scope in feeding:
-            tensor = graph.tensors[scopes[scope]]
-            if _token_cut_fits(tensor, assignment, axis, sizes[axis]):
-                scattered[tensor.id] = ((TOKEN_DIM, axis),)
+        pinned.extend(_feeding_scopes(graph, scopes, family))
         pinned.extend(
             scope
             for scope in scopes
