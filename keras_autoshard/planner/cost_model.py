@@ -207,11 +207,12 @@ def kept_terms_bytes(
     """Bytes one device keeps of `(tensor id, bytes per tensor byte)`
     residual terms, each cut like its tensor and as wide as
     `kept_widening` says."""
-    return sum(
-        local_bytes(graph.tensors[tid], assignment, sizes)
-        * factor
-        * kept_widening(graph, graph.tensors[tid], half_as_single)
-        for tid, factor in terms
+    return _terms_bytes(
+        graph,
+        terms,
+        assignment,
+        sizes,
+        lambda tensor: kept_widening(graph, tensor, half_as_single),
     )
 
 
@@ -225,10 +226,17 @@ def terms_bytes(
     """Bytes one device holds of `(tensor id, bytes per tensor byte)`
     activation terms, each cut like its tensor (see `widening` for
     `half_as_single`)."""
+    return _terms_bytes(
+        graph, terms, assignment, sizes, lambda tensor: widening(tensor, half_as_single)
+    )
+
+
+def _terms_bytes(graph, terms, assignment, sizes, width) -> float:
+    """Local bytes of each term's tensor × its factor × `width(tensor)`."""
     return sum(
         local_bytes(graph.tensors[tid], assignment, sizes)
         * factor
-        * widening(graph.tensors[tid], half_as_single)
+        * width(graph.tensors[tid])
         for tid, factor in terms
     )
 

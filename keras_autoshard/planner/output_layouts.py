@@ -123,7 +123,6 @@ def key_value_layouts(
     if rewrites is None:
         rewrites = scope_rewrites(graph)
     made_by: dict[int, str] = {}
-    calls = dict(graph.scope_outputs)
     for scope, outputs in graph.scope_outputs:
         for tid in outputs:
             # The innermost scope that returns it: the layer that made it.
@@ -134,15 +133,10 @@ def key_value_layouts(
         for tid in pair:
             if tid not in made_by:
                 continue
-            layout = tensor_axes(graph.tensors[tid], assignment)
-            others = calls[made_by[tid]]
-            if any(
-                tensor_axes(graph.tensors[other], assignment) != layout
-                for other in others
-            ):
-                continue
-            path = keras_layer_path(made_by[tid], rewrites)
-            layouts[f"{path}/output"] = layout
+            layout = _layout_of_every_call(graph, made_by[tid], assignment)
+            if layout is not None:
+                path = keras_layer_path(made_by[tid], rewrites)
+                layouts[f"{path}/output"] = layout
     return layouts
 
 
@@ -188,8 +182,19 @@ def storage_cut_layouts(
             continue
         layer_path = tensor.name.rpartition("/")[0]
         scope = layer_path if train else scope_of.get(layer_path, layer_path)
-        outputs = graph.layer_outputs(scope) if layer_path else ()
-        specs = {tensor_axes(graph.tensors[t], assignment) for t in outputs}
-        if len(specs) == 1:
-            layouts[f"{layer_path}/output"] = specs.pop()
+        layout = _layout_of_every_call(graph, scope, assignment) if layer_path else None
+        if layout is not None:
+            layouts[f"{layer_path}/output"] = layout
     return layouts
+
+
+def _layout_of_every_call(
+    graph: AxisGraph, scope: str, assignment: Assignment
+) -> tuple[str | None, ...] | None:
+    """The planned layout of the output of every call of the layer at
+    `scope`, or `None` when the calls differ (Keras asks one layout per
+    layer path) or there is none."""
+    layouts = {
+        tensor_axes(graph.tensors[t], assignment) for t in graph.layer_outputs(scope)
+    }
+    return layouts.pop() if len(layouts) == 1 else None
