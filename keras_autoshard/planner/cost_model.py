@@ -192,27 +192,8 @@ def kept_bytes(
     tensor, plus residuals no tensor holds (counted whole).
 
     `half_as_single`: see `kept_widening`."""
-    return graph.other_residual_bytes + kept_terms_bytes(
-        graph, kept_terms(graph, remat), assignment, sizes, half_as_single
-    )
-
-
-def kept_terms_bytes(
-    graph: AxisGraph,
-    terms,
-    assignment: Assignment,
-    sizes: Mapping[str, int],
-    half_as_single: bool = False,
-) -> float:
-    """Bytes one device keeps of `(tensor id, bytes per tensor byte)`
-    residual terms, each cut like its tensor and as wide as
-    `kept_widening` says."""
-    return _terms_bytes(
-        graph,
-        terms,
-        assignment,
-        sizes,
-        lambda tensor: kept_widening(graph, tensor, half_as_single),
+    return graph.other_residual_bytes + terms_bytes(
+        graph, kept_terms(graph, remat), assignment, sizes, half_as_single, kept=True
     )
 
 
@@ -222,21 +203,20 @@ def terms_bytes(
     assignment: Assignment,
     sizes: Mapping[str, int],
     half_as_single: bool = False,
+    kept: bool = False,
 ) -> float:
     """Bytes one device holds of `(tensor id, bytes per tensor byte)`
-    activation terms, each cut like its tensor (see `widening` for
-    `half_as_single`)."""
-    return _terms_bytes(
-        graph, terms, assignment, sizes, lambda tensor: widening(tensor, half_as_single)
-    )
-
-
-def _terms_bytes(graph, terms, assignment, sizes, width) -> float:
-    """Local bytes of each term's tensor × its factor × `width(tensor)`."""
+    activation terms, each cut like its tensor and as wide as `widening`
+    says, or `kept_widening` for residuals the backward pass keeps
+    (`kept=True`)."""
     return sum(
         local_bytes(graph.tensors[tid], assignment, sizes)
         * factor
-        * width(graph.tensors[tid])
+        * (
+            kept_widening(graph, graph.tensors[tid], half_as_single)
+            if kept
+            else widening(graph.tensors[tid], half_as_single)
+        )
         for tid, factor in terms
     )
 

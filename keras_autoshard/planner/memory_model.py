@@ -44,7 +44,6 @@ from keras_autoshard.planner.cost_model import (
     gathered_bytes,
     iteration_classes,
     kept_bytes,
-    kept_terms_bytes,
     local_bytes,
     tensor_axes,
     terms_bytes,
@@ -236,8 +235,8 @@ def _staged_peak(
     KerasHub layers by up to a fifth)."""
     part = 1.0 / micro_batches
     held, stages = backward_stages(graph, remat)
-    always = graph.other_residual_bytes + kept_terms_bytes(
-        graph, held, assignment, sizes, half_as_single
+    always = graph.other_residual_bytes + terms_bytes(
+        graph, held, assignment, sizes, half_as_single, kept=True
     )
     shard = {
         tid: local_bytes(graph.tensors[tid], assignment, sizes)
@@ -245,8 +244,8 @@ def _staged_peak(
     }
     best = (-1.0, 0.0, 0.0)
     for stage in stages:
-        kept = always + kept_terms_bytes(
-            graph, stage.recomputed, assignment, sizes, half_as_single
+        kept = always + terms_bytes(
+            graph, stage.recomputed, assignment, sizes, half_as_single, kept=True
         )
         gradients = sum(shard[tid] for tid in stage.gradients)
         best = max(best, (kept * part + gradients, kept, gradients))
