@@ -30,23 +30,31 @@ def _run(mode, mesh_text, out_dir):
         path.unlink()
 
 
+@pytest.fixture(scope="module")
+def saved_2x2(tmp_path_factory):
+    """One 2x2 save (4 ranks) that the restore and the damaged-shard tests
+    share; neither writes into its checkpoint."""
+    out_dir = tmp_path_factory.mktemp("saved_2x2")
+    _run("save", "2x2", out_dir)
+    return out_dir
+
+
 @pytest.mark.slow
 def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
-    tmp_path,
+    saved_2x2,
 ):
-    _run("save", "2x2", tmp_path)
-    expected = json.loads((tmp_path / "losses.json").read_text())
+    expected = json.loads((saved_2x2 / "losses.json").read_text())
     for mesh_text in ("1x2", "1x1"):
-        _run("restore", mesh_text, tmp_path)
+        _run("restore", mesh_text, saved_2x2)
         losses = json.loads(
-            (tmp_path / f"restored_losses_{mesh_text}.json").read_text()
+            (saved_2x2 / f"restored_losses_{mesh_text}.json").read_text()
         )
         np.testing.assert_allclose(losses, expected, rtol=1e-6)
     # On the JAX backend (this process) the torch checkpoint is refused with
     # the conversion that works.
     model = worker.build("mlp", seed=1)
     with pytest.raises(ka.CheckpointError, match="save_weights.*load_weights"):
-        ka.restore_checkpoint(model, tmp_path / "ckpt")
+        ka.restore_checkpoint(model, saved_2x2 / "ckpt")
 
 
 @pytest.mark.slow
@@ -56,17 +64,16 @@ def test_the_callback_saves_every_n_batches_and_keeps_the_latest(tmp_path):
 
 
 @pytest.mark.slow
-def test_missing_or_truncated_shard_files_are_named_on_every_rank(tmp_path):
-    _run("save", "2x2", tmp_path)
-    step = tmp_path / "ckpt" / "3"
-    shutil.copytree(step, tmp_path / "missing" / "3")
-    shard_files = sorted((tmp_path / "missing" / "3").glob("*.distcp"))
+def test_missing_or_truncated_shard_files_are_named_on_every_rank(saved_2x2):
+    step = saved_2x2 / "ckpt" / "3"
+    shutil.copytree(step, saved_2x2 / "missing" / "3")
+    shard_files = sorted((saved_2x2 / "missing" / "3").glob("*.distcp"))
     assert len(shard_files) == 4  # one per rank
     shard_files[1].unlink()
-    shutil.copytree(step, tmp_path / "truncated" / "3")
-    victim = sorted((tmp_path / "truncated" / "3").glob("*.distcp"))[2]
+    shutil.copytree(step, saved_2x2 / "truncated" / "3")
+    victim = sorted((saved_2x2 / "truncated" / "3").glob("*.distcp"))[2]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    _run("damaged", "1x2", tmp_path)
+    _run("damaged", "1x2", saved_2x2)
 
 
 @pytest.mark.slow

@@ -109,8 +109,10 @@ def backward_stages(
     Every stage holds what the step keeps outside rematerialized layers
     and their inputs: XLA frees a kept activation after its last use, and a
     schedule may run a weight-gradient matmul as late as the update that
-    reads it (measured on XLA:CPU: a block's MLP weight gradients ran after
-    the previous block's backward pass), so these are counted to the end.
+    reads it (measured on XLA:CPU, whose memory scheduler is depth-first
+    from the outputs: a block's MLP weight gradients and bias reductions
+    ran after the previous block's backward pass), so these are counted to
+    the end.
     A rematerialized layer's own residuals exist while its backward pass
     runs; a parameter's gradient from the backward pass of the last layer
     reading it (in call order; equations outside any layer count as last)

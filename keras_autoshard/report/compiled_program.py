@@ -38,7 +38,10 @@ _MEMORY_FIELDS = {
 # until scheduling. These compiler options make an XLA:CPU program do the
 # same (measured: a jax.checkpoint'ed 8-layer MLP's gradient needs 90 MiB of
 # temporaries with the defaults, 22 MiB with these, 92 MiB without
-# checkpointing either way).
+# checkpointing either way). One difference stays: XLA:CPU's memory
+# scheduler is depth-first from the outputs only, where XLA:GPU takes the
+# lowest peak of a list, a depth-first and a post-order schedule, so a CPU
+# reading can be higher than an accelerator's for the same program.
 MEMORY_SCHEDULE_ON_CPU = {
     "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
     "xla_disable_hlo_passes": "cse",
