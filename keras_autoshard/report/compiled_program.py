@@ -178,7 +178,8 @@ def _compile_forward_step(model, x, compiler_options=None):
 
 
 def _step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
-    collectives = parse_collectives(compiled.as_text(), mesh.shape, mesh.axis_names)
+    hlo_text = compiled.as_text()
+    collectives = parse_collectives(hlo_text, mesh.shape, mesh.axis_names)
     analysis = compiled.memory_analysis()
     memory = {
         key: int(getattr(analysis, attr))
@@ -189,7 +190,8 @@ def _step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
         name=name,
         collectives=tuple(collectives),
         memory=memory,
-        matmuls=len(_MATMUL.findall(compiled.as_text())),
+        matmuls=len(_MATMUL.findall(hlo_text)),
+        hlo_text=hlo_text,
     )
 
 

@@ -56,12 +56,15 @@ class CompiledStep:
         matmuls: Matrix products (`dot` and `convolution` instructions) in
             the optimized HLO: a rematerialized layer's products appear
             twice, once in the forward pass and once recomputed.
+        hlo_text: The optimized HLO, in schedule order (e.g. for
+            `report.hlo.schedules.schedule_peaks`); not in `to_dict`.
     """
 
     name: str
     collectives: tuple[CollectiveOp, ...]
     memory: dict[str, int]
     matmuls: int = 0
+    hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
 
     def select(
         self, kind: str | None = None, mesh_axes: Sequence[str] | None = None

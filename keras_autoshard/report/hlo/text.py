@@ -86,14 +86,18 @@ class Instruction:
     opcode: str
     operands_text: str
     attributes: str
+    is_root: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Computation:
-    """An HLO computation: its name and instructions in printed order."""
+    """An HLO computation: its name, instructions in printed order (a
+    scheduled module prints them in schedule order) and whether it is the
+    module's entry."""
 
     name: str
     instructions: tuple[Instruction, ...]
+    is_entry: bool = False
 
 
 def parse_computations(hlo_text: str) -> list[Computation]:
@@ -108,13 +112,15 @@ def parse_computations(hlo_text: str) -> list[Computation]:
     computations = []
     name = None
     instructions = []
+    is_entry = False
     for line in hlo_text.splitlines():
         if name is None:
             head = _COMPUTATION_HEAD.match(line)
             if head and not line.startswith("HloModule"):
                 name, instructions = head.group("name"), []
+                is_entry = line.startswith("ENTRY")
         elif line.strip() == "}":
-            computations.append(Computation(name, tuple(instructions)))
+            computations.append(Computation(name, tuple(instructions), is_entry))
             name = None
         else:
             instruction = _parse_instruction(line)
@@ -147,6 +153,7 @@ def _parse_instruction(line: str) -> Instruction | None:
         opcode=opcode.group("opcode"),
         operands_text=line[opcode.end() : operands_end - 1],
         attributes=line[operands_end:].lstrip(", "),
+        is_root=line.lstrip().startswith("ROOT "),
     )
 
 
