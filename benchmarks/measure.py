@@ -204,15 +204,6 @@ def compiled_report(build, distribution: Distribution, x, y):
         return inspect_compiled(model, distribution, (x, y))
 
 
-def micro_batch(sharding_plan, data):
-    """The first of the plan's micro-batches of `data` (all of it when the
-    plan does not accumulate gradients)."""
-    import jax
-
-    parts = sharding_plan.gradient_accumulation_steps
-    return jax.tree_util.tree_map(lambda a: a[: a.shape[0] // parts], data)
-
-
 def plan_distribution(sharding_plan):
     """A `PlanDistribution` of `sharding_plan` on the first devices (as many
     as its mesh has: a 1x4 plan on 8 simulated devices takes 4)."""
@@ -228,21 +219,18 @@ def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
     """The train step of `build()` compiled as `sharding_plan` says: its
     layout (on the first devices, `plan_distribution`), its rematerialized
     layers, its micro-batches of `(x, y)` with `gradient_accumulation_steps`
-    on Adam; the `CompiledReport`."""
-    from keras_autoshard import rematerialize
+    on Adam (`compile_as_planned`); the `CompiledReport`."""
+    from keras_autoshard.apply.as_planned import compile_as_planned, first_micro_batch
 
     distribution = plan_distribution(sharding_plan)
-    steps = sharding_plan.gradient_accumulation_steps
-    x, y = micro_batch(sharding_plan, x), micro_batch(sharding_plan, y)
     with distribution.scope(), names_replayed_after():
         model = build()
-        rematerialize(model, sharding_plan)
-        optimizer = keras.optimizers.Adam(
-            gradient_accumulation_steps=steps if steps > 1 else None
-        )
-        model.compile(optimizer=optimizer, loss="mse")
+        compile_as_planned(model, sharding_plan)
     return inspect_compiled(
-        model, distribution, (x, y), compiler_options=compiler_options
+        model,
+        distribution,
+        first_micro_batch(sharding_plan, (x, y)),
+        compiler_options=compiler_options,
     )
 
 

@@ -19,12 +19,13 @@ plan says: micro-batches of the planned batch, and
 import pytest
 
 from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned, micro_batch
+from benchmarks.measure import compiled_as_planned
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
     plan,
 )
+from keras_autoshard.apply.as_planned import first_micro_batch
 from keras_autoshard.errors import PlanError
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
@@ -73,8 +74,8 @@ def test_a_budget_that_needs_rematerialization_is_met_by_the_compiled_step(name,
     check_parity(
         rematerialized_under(fitted, build),
         PlanDistribution(fitted),
-        micro_batch(fitted, x),
-        micro_batch(fitted, y),
+        first_micro_batch(fitted, x),
+        first_micro_batch(fitted, y),
         steps=5,
         accumulation_steps=fitted.gradient_accumulation_steps,
     )

@@ -98,6 +98,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         tolerance.
     """
     from keras_autoshard import PlanDistribution, inspect_compiled, load_weights_sharded
+    from keras_autoshard.apply.as_planned import (
+        compile_as_planned,
+        compiler_options_for,
+        first_micro_batch,
+    )
     from keras_autoshard.report.estimate_check import (
         check_estimates,
         estimate_table,
@@ -119,14 +124,21 @@ def run_inspect(args: argparse.Namespace) -> int:
         model = source.build()
         if source.weights_path:
             load_weights_sharded(model, source.weights_path, progress=True)
-        model.compile(optimizer="adam", loss="mse")
+        # Its rematerialized layers and micro-batches, which its estimate counts.
+        compile_as_planned(model, result.plan)
         targets = sample_targets(model, sample)
-        report = inspect_compiled(model, distribution, (sample, targets))
+    options = compiler_options_for(result.plan)
+    report = inspect_compiled(
+        model,
+        distribution,
+        first_micro_batch(result.plan, (sample, targets)),
+        compiler_options=options,
+    )
     console = Console(width=args.width)
     console.print(
         f"Planned {source.description} on mesh {result.plan.mesh.describe()} "
         f"in {result.planning_time_s:.1f} s; compiled one train step and one "
-        "forward step.",
+        "forward step" + _as_planned_note(result.plan, options is not None) + ".",
         markup=False,
         highlight=False,
     )
@@ -159,6 +171,26 @@ def run_inspect(args: argparse.Namespace) -> int:
             f.write(report.to_json())
         console.print(f"Wrote the report to {args.json}", markup=False, highlight=False)
     return 1 if flagged and args.strict else 0
+
+
+def _as_planned_note(sharding_plan, memory_scheduled: bool) -> str:
+    """How the compiled step follows the plan's levers, for the header."""
+    parts = []
+    if sharding_plan.rematerialize:
+        parts.append(
+            f"{len(sharding_plan.rematerialize)} layer(s) rematerialized"
+            + (
+                ", scheduled for memory (XLA:CPU's defaults merge the "
+                "recomputation away)"
+                if memory_scheduled
+                else ""
+            )
+        )
+    if sharding_plan.gradient_accumulation_steps > 1:
+        parts.append(
+            f"one of {sharding_plan.gradient_accumulation_steps} micro-batches"
+        )
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _totals_table(result) -> Table:
