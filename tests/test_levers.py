@@ -88,7 +88,11 @@ def test_rematerialize_request_is_followed_and_unknown_layers_are_named():
     assert one.rematerialize == ("transformer_layer_1",)
     assert every.estimate.recompute_flops > one.estimate.recompute_flops > 0
     assert plan(build, MESH, x, rematerialize="none").rematerialize == ()
-    with pytest.raises(PlanError, match=r"transformer_layer_7.*top-level layers"):
+    with pytest.raises(PlanError, match=r"transformer_layer_7.*layer calls"):
         plan(build, MESH, x, rematerialize=["transformer_layer_7"])
     with pytest.raises(PlanError, match="rematerialize='some'"):
         plan(build, MESH, x, rematerialize="some")
+    # A model with no repeated layers: "all" is refused, naming its calls.
+    mlp, mlp_batch = zoo.ZOO["mlp"]
+    with pytest.raises(PlanError, match=r"rematerialize='all'.*has none"):
+        plan(mlp, MESH, mlp_batch(), rematerialize="all")

@@ -63,18 +63,36 @@ def rematerialize(model: keras.Model, plan: ShardingPlan | Sequence[str]) -> Non
             f"backend applies (Keras runs on {keras.backend.backend()!r}). Plan "
             "with a larger memory budget, or on JAX."
         )
-    by_name = {layer.name: layer for layer in model._flatten_layers()}
-    missing = sorted(set(names) - set(by_name))
+    found = {name: _layer_at(model, name) for name in names}
+    missing = sorted(name for name, layer in found.items() if layer is None)
     if missing:
+        layers = sorted(layer.name for layer in model._flatten_layers())
         raise PlanError(
             f"The plan rematerializes layers {missing}, which the model does not "
-            f"have (its layers include {sorted(by_name)[:8]}). Plan this model "
-            "again."
+            f"have (its layers include {layers[:8]}). Plan this model again."
         )
-    for name in names:
-        layer = by_name[name]
+    for layer in found.values():
         if not getattr(layer.call, "_keras_autoshard_checkpointed", False):
             layer.call = _checkpointed(layer.call)
+
+
+def _layer_at(model: keras.Model, path: str):
+    """The layer a plan names: a layer name, or names from an outer layer
+    inward (`gpt2_backbone/transformer_layer_0`, `graph/blocks.py`);
+    `None` when no single layer answers, a name that two layers share
+    included (a renamed or duplicated layer must not take another's
+    rematerialization)."""
+    layer = model
+    for name in path.split("/"):
+        matches = [
+            inner
+            for inner in layer._flatten_layers(include_self=False)
+            if inner.name == name
+        ]
+        if len(matches) != 1:
+            return None
+        layer = matches[0]
+    return layer
 
 
 def _checkpointed(call):

@@ -64,8 +64,11 @@ class TensorParallel(keras.Model):
         sample_input: One global batch of inputs to plan with now instead of
             on the first batch.
         memory_budget: Per-device bytes (a number, or a string such as
-            `"16GiB"`) for parameters and optimizer state
-            given to the planner; `None` for no limit.
+            `"16GiB"`) that the whole peak of a training step must fit
+            (parameters, gradients, optimizer state, kept activations, data,
+            transient buffers): the planner rematerializes layers where the
+            sharding alone does not fit, and the plan's notes say when it
+            needs gradient accumulation; `None` for no limit.
         rules: Variable path regex → partition spec, pinned in the plan.
         **kwargs: Passed to `keras.Model` (`name`, ...).
 

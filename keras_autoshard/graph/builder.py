@@ -59,7 +59,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
@@ -75,7 +75,7 @@ from keras_autoshard.graph.axis_graph import (
     TensorNode,
     UnionFind,
 )
-from keras_autoshard.graph.blocks import ScopeTracker
+from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
 from keras_autoshard.graph.fusion import kept_after_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
@@ -142,7 +142,9 @@ def build_axis_graph(
     """
     jaxpr = closed_jaxpr.jaxpr
     _check_invar_kinds(jaxpr, invar_kinds)
-    builder = _GraphBuilder()
+    builder = _GraphBuilder(
+        unit_namer(str(eqn.source_info.name_stack) for eqn in jaxpr.eqns)
+    )
     in_tids = [
         builder.new_tensor(
             var.aval, kind, name, requires_grad=kind == "param" and has_grad(var.aval)
@@ -190,7 +192,7 @@ class _EventRecord:
 class _GraphBuilder:
     """Mutable state of one walk: tensors, dim union-find, events, edges."""
 
-    def __init__(self) -> None:
+    def __init__(self, unit_of: Callable[[str], str] | None = None) -> None:
         self.uf = UnionFind()
         self.tensors: list[_TensorRecord] = []
         self.events: list[_EventRecord] = []
@@ -205,7 +207,7 @@ class _GraphBuilder:
         # Name scope (Keras layer path) -> the last tensor of each call.
         self.scope_outputs: dict[str, list[int]] = {}
         self._open_scopes: frozenset[str] = frozenset()
-        self.layers = ScopeTracker()
+        self.layers = ScopeTracker(unit_of)
         # (tensor id, bytes per tensor byte) -> times kept (loop trips).
         self.residuals: dict[tuple[int, float], int] = {}
         # The same key -> the top-level layers whose equations keep it.

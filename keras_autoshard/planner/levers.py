@@ -120,8 +120,8 @@ def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str,
         option only for a request other than `"auto"`).
 
     Raises:
-        PlanError: When a requested layer is not a top-level layer of the
-            model.
+        PlanError: When a requested layer is not a unit of the model
+            (`graph/blocks.py`), or `"all"` finds no family to rematerialize.
     """
     options: list[tuple[str, ...]] = [()]
     if job != "train" or request == "none":
@@ -131,6 +131,14 @@ def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str,
     if request == "auto":
         return options
     if request == "all":
+        if len(options) == 1:
+            units = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+            raise PlanError(
+                "rematerialize='all' asks for every family of repeated layers, "
+                "and this model has none whose rematerialization frees memory "
+                f"(its layer calls: {units[:12]}{' …' if len(units) > 12 else ''}). "
+                "Name the layers to rematerialize instead, or plan without it."
+            )
         return [options[-1]]
     return [_requested_layers(graph, request)]
 
@@ -139,14 +147,14 @@ def _requested_layers(graph: AxisGraph, request) -> tuple[str, ...]:
     if isinstance(request, str):
         raise PlanError(
             f"rematerialize={request!r}: use one of {REMAT_REQUESTS} or a "
-            "list of top-level layer names."
+            "list of layer names (as the plan's `rematerialize` lists them)."
         )
     layers = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
     missing = sorted(set(request) - set(layers))
     if missing:
         raise PlanError(
-            f"rematerialize names {missing}, which are not top-level layers "
-            f"the model calls; its top-level layers are {layers[:12]}"
+            f"rematerialize names {missing}, which are not layer calls the "
+            f"planner can rematerialize; the model's are {layers[:12]}"
             f"{' …' if len(layers) > 12 else ''}."
         )
     return tuple(layer for layer in layers if layer in set(request))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_autoshard.graph.axis_graph import AxisGraph
-from keras_autoshard.planner.symmetry import scope_stem
+from keras_autoshard.graph.blocks import scope_stem
 
 # (tensor id, bytes kept per byte of the tensor)
 KeptTerms = list[tuple[int, float]]

@@ -28,32 +28,11 @@ import re
 from collections import defaultdict
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
+from keras_autoshard.graph.blocks import scope_index, scope_stem
 from keras_autoshard.planner.layer_paths import split_variable_path, top_level_scopes
 
-_INDEXED_SCOPE = re.compile(r"^(?P<stem>.*?)(?P<index>\d+)$")
 # The number Keras appends to a repeated layer name: `dense_6` in `dense_6/kernel`.
 _NUMBERED = re.compile(r"_\d+(?=/|$)")
-
-
-def scope_stem(scope: str) -> str:
-    """The name a layer scope shares with its copies: `transformer_layer_`
-    for `transformer_layer_3`; Keras names copies `block`, `block_1`,
-    `block_2` (the first has no index), so `block_` for `block`.
-
-    Args:
-        scope: A layer scope name.
-
-    Returns:
-        Its stem.
-    """
-    match = _INDEXED_SCOPE.match(scope)
-    return match.group("stem") if match else f"{scope}_"
-
-
-def scope_index(scope: str) -> int:
-    """The copy index of a layer scope (-1 for an unnumbered first copy)."""
-    match = _INDEXED_SCOPE.match(scope)
-    return int(match.group("index")) if match else -1
 
 
 def repeated_blocks(graph: AxisGraph) -> list[list[list[TensorNode]]]:

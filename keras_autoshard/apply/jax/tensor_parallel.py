@@ -296,13 +296,22 @@ class JaxTensorParallel(TensorParallel):
 
         Returns:
             A `CompiledReport` (per-device parameter and optimizer bytes,
-            collectives by mesh axis).
+            collectives by mesh axis). A plan that rematerializes is
+            compiled scheduled for memory on XLA:CPU
+            (`compiler_options_for`), whose defaults would merge the
+            recomputation away.
         """
+        from keras_autoshard.apply.as_planned import compiler_options_for
         from keras_autoshard.report.compiled_program import inspect_compiled
 
         if not self._distribution.is_planned:
             self.prepare(sample_batch[0])
-        return inspect_compiled(self, self._distribution, sample_batch)
+        return inspect_compiled(
+            self,
+            self._distribution,
+            sample_batch,
+            compiler_options=compiler_options_for(self.plan),
+        )
 
     # --------------------------------------------------------- serialization
     def get_config(self) -> dict[str, Any]:
