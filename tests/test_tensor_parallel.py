@@ -397,9 +397,13 @@ def test_inspect_of_a_plan_that_rematerializes_compiles_the_recomputation():
             )
         tp_model.compile(optimizer="adam", loss="mse")
         reports[name] = tp_model.inspect((x, y)).train_step
-    assert tp_model.plan.rematerialize == (
-        "subclassed/self_attention_block",
-        "subclassed/self_attention_block_1",
-    ), tp_model.plan.notes
+    # The wrapped model's blocks, by path (`subclassed/self_attention_block`
+    # when built first in the process).
+    wrapped = tp_model.wrapped_model.name
+    assert len(tp_model.plan.rematerialize) == 2, tp_model.plan.notes
+    assert all(
+        name.startswith(f"{wrapped}/self_attention_block")
+        for name in tp_model.plan.rematerialize
+    ), tp_model.plan.rematerialize
     assert reports["budget"].matmuls > reports["free"].matmuls
     assert schedule_peaks(reports["budget"].hlo_text).least <= budget

@@ -135,8 +135,8 @@ def _model_options() -> argparse.ArgumentParser:
         type=_parse_remat,
         metavar="auto|none|all|LAYER,...",
         help="auto (default): layers are rematerialized only where the budget "
-        "needs it; none; all: every repeated-layer family; or top-level "
-        "layer names, comma-separated",
+        "needs it; none; all: every repeated-layer family; or layer names "
+        "as a plan lists them (a wrapped backbone's by path), comma-separated",
     )
     mesh.add_argument(
         "--sequence-parallel",

@@ -77,7 +77,7 @@ def estimate_memory(
             that matrix products read, at 4 bytes (XLA:CPU runs
             half-precision arithmetic in float32; accelerators do not; see
             `cost_model.widening` and `cost_model.kept_widening`).
-        remat: Names of the top-level layers rematerialized
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`)
             (`planner/remat.py`).
         micro_batches: Gradient accumulation: the batch is fed in this many
             parts, one per step (what the batch makes shrinks by it; each
@@ -278,7 +278,7 @@ def compute_flops_per_device(
         graph: The model's axis graph.
         axes: Mesh axes of size > 1.
         assignment: The candidate sharding.
-        remat: Names of the top-level layers rematerialized.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
 
     Returns:
         `(total FLOPs, of which recomputation)`.

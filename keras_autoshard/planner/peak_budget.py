@@ -53,7 +53,7 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
     Args:
         program: The search's `_Program` (its graph, options, mesh axes,
             linear program and `bytes_terms`).
-        remat: Names of the top-level layers rematerialized.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
         micro_batches: Gradient accumulation parts (what the batch makes
             shrinks by it; each trainable variable gains an accumulator).
 

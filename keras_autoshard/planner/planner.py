@@ -120,8 +120,10 @@ def plan(
         rematerialize: `"auto"`: layers are rematerialized only where the
             budget needs it (the fewest that fit); `"none"`: never; `"all"`:
             every repeated-layer family (the transformer layers of a
-            backbone), e.g. to fit a larger batch; or a list of top-level
-            layer names. The plan's `rematerialize` lists the layers, which
+            backbone, or of the backbone a task or wrapper calls, named by
+            path: `gpt2_backbone/transformer_layer_0`), e.g. to fit a larger
+            batch; or a list of such layer names. The plan's
+            `rematerialize` lists the layers, which
             `AutoShardDistribution` (or `keras_autoshard.rematerialize`)
             checkpoints.
         sequence_parallel: Cut the token dim of the activations between

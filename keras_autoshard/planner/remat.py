@@ -12,9 +12,10 @@ rematerialized layers a device keeps:
   largest layer's, counted once), and the gradients made so far
   (`backward_stages`: the fullest stage is the peak).
 
-The planner offers whole families of repeated top-level layers (the
-`transformer_layer_0 … _N` of a backbone, found by name stem and call
-order, not by what they are), largest saving first.
+The planner offers whole families of repeated layers (the
+`transformer_layer_0 … _N` of a backbone, or of the backbone a task wraps,
+`graph/blocks.py`; found by name stem and call order, not by what they
+are), largest saving first.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def kept_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
 
     Args:
         graph: The model's axis graph.
-        remat: Names of the top-level layers rematerialized.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
 
     Returns:
         `(tensor id, bytes per tensor byte)` of every activation kept,
@@ -120,7 +121,7 @@ def backward_stages(
 
     Args:
         graph: The model's axis graph.
-        remat: Names of the top-level layers rematerialized.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
 
     Returns:
         `(held, stages)`: the `(tensor id, bytes per tensor byte)` every
@@ -186,7 +187,7 @@ def gathered_param_terms(graph: AxisGraph, remat: frozenset[str]) -> KeptTerms:
 
     Args:
         graph: The model's axis graph.
-        remat: Names of the top-level layers rematerialized.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
 
     Returns:
         `(parameter tensor id, copies)`; each costs its compute layout's

@@ -465,7 +465,7 @@ def search(
         axes: Mesh axes of size > 1.
         options: Budget and cost knobs.
         pins: Choices fixed by user rules.
-        remat: Names of the top-level layers rematerialized (what the
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`) (what the
             budget counts as kept for the backward pass).
         micro_batches: Gradient accumulation parts the budget counts with.
 

@@ -9,7 +9,7 @@ so that each all-reduce becomes a reduce-scatter and each region starts with
 an all-gather: the same bytes on the wire, and those activations, the bulk
 of what a transformer keeps for its backward pass, shrink by the axis size.
 
-The planner applies it to the repeated top-level layers of the model (the
+The planner applies it to the repeated layers of the model (the
 families of `remat.remat_families`: transformer layers, found by name stem
 and call order, not by what they are) by graph rules:
 
@@ -130,7 +130,7 @@ def sequence_cut(
         notes.append(
             "Sequence parallelism not applied: the model repeats no layer "
             "that keeps activations for the backward pass (it applies to "
-            "repeated top-level layers such as transformer layers)."
+            "repeated layers such as transformer layers)."
         )
     elif not any(not a.data_only for a in axes):
         notes.append(
