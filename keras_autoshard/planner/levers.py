@@ -42,7 +42,7 @@ from keras_autoshard.planner.memory_model import (
     compute_flops_per_device,
     estimate_memory,
 )
-from keras_autoshard.planner.remat import remat_families
+from keras_autoshard.planner.remat import layer_calls, remat_families
 from keras_autoshard.planner.search import Pins, search
 from keras_autoshard.planner.sequence_parallel import (
     SequenceCut,
@@ -132,7 +132,7 @@ def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str,
         return options
     if request == "all":
         if len(options) == 1:
-            units = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+            units = layer_calls(graph)
             raise PlanError(
                 "rematerialize='all' asks for every family of repeated layers, "
                 "and this model has none whose rematerialization frees memory "
@@ -149,7 +149,7 @@ def _requested_layers(graph: AxisGraph, request) -> tuple[str, ...]:
             f"rematerialize={request!r}: use one of {REMAT_REQUESTS} or a "
             "list of layer names (as the plan's `rematerialize` lists them)."
         )
-    layers = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+    layers = layer_calls(graph)
     missing = sorted(set(request) - set(layers))
     if missing:
         raise PlanError(

@@ -29,6 +29,12 @@ from keras_autoshard.graph.blocks import scope_stem
 KeptTerms = list[tuple[int, float]]
 
 
+def layer_calls(graph: AxisGraph) -> list[str]:
+    """The graph's units (layer calls, `graph/blocks.py`) in call order:
+    the order in which they made their first tensors."""
+    return [layer for layer in dict.fromkeys(graph.tensor_layers) if layer]
+
+
 def remat_families(graph: AxisGraph) -> list[tuple[str, ...]]:
     """Families of repeated top-level layers worth rematerializing.
 
@@ -42,9 +48,8 @@ def remat_families(graph: AxisGraph) -> list[tuple[str, ...]]:
     """
     keeping = {layer for k in graph.residuals for layer in k.layers}
     by_stem: dict[str, list[str]] = {}
-    # Call order: the order in which the layers made their first tensors.
-    for layer in dict.fromkeys(graph.tensor_layers):
-        if layer and layer in keeping:
+    for layer in layer_calls(graph):
+        if layer in keeping:
             by_stem.setdefault(scope_stem(layer), []).append(layer)
     families = []
     for layers in by_stem.values():
@@ -129,7 +134,7 @@ def backward_stages(
         order, then the stage after the last.
     """
     held, recomputed = _held_and_recomputed(graph, remat)
-    order = list(dict.fromkeys(layer for layer in graph.tensor_layers if layer))
+    order = layer_calls(graph)
     position = {layer: i for i, layer in enumerate(order)}
     last_reader = {
         tid: max(position.get(layer, len(order)) for layer in layers)
