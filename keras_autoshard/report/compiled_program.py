@@ -86,7 +86,8 @@ def inspect_compiled(
     with distribution.scope():
         model._symbolic_build(data_batch=data)
         distributed = _distribute_data(data)
-        train = _compile_train_step(model, distributed, compiler_options)
+        step, arguments = _train_step(model, distributed)
+        train = step.lower(*arguments).compile(compiler_options=compiler_options)
         forward = _compile_forward_step(model, distributed[0], compiler_options)
     device_ids = [d.id for d in _mesh_devices(distribution)]
     mesh = MeshSpec(
@@ -146,7 +147,33 @@ def inspect_forward(model, distribution, x, compiler_options=None) -> CompiledSt
 _MATMUL = re.compile(r"= [^=]*? (?:dot|convolution)\(")
 
 
-def _compile_train_step(model, data, compiler_options=None):
+def train_step_program(model, distribution, sample_batch):
+    """The jitted train step `model.fit` runs and its arguments (the model's
+    state and the distributed batch), not lowered: to lower, compile or
+    export (`jax.export`) for another platform.
+
+    Args:
+        model: A compiled `keras.Model` created under `distribution.scope()`.
+        distribution: Its `keras.distribution.Distribution` (planned).
+        sample_batch: `(x, y)` or `(x, y, sample_weight)` with the global batch.
+
+    Returns:
+        `(step, arguments)`: `step.lower(*arguments)` lowers it.
+
+    Example:
+
+    ```python
+    step, arguments = train_step_program(model, distribution, (x, y))
+    exported = jax.export.export(step, platforms=("cuda",))(*arguments)
+    ```
+    """
+    data = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch))
+    with distribution.scope():
+        model._symbolic_build(data_batch=data)
+        return _train_step(model, _distribute_data(data))
+
+
+def _train_step(model, data):
     state = model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,
@@ -158,7 +185,7 @@ def _compile_train_step(model, data, compiler_options=None):
         donate_argnums=0,
         out_shardings=(None, model._get_state_sharding_spec()),
     )
-    return step.lower(state, data).compile(compiler_options=compiler_options)
+    return step, (state, data)
 
 
 def _compile_forward_step(model, x, compiler_options=None):
