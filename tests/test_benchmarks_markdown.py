@@ -84,3 +84,33 @@ def test_markdown_table_escapes_pipes_and_aligns_numbers():
         "| --- | ---: |",
         "| a\\|b | 4 |",
     ]
+
+
+def test_gpu_memory_truth_renders_each_variant_and_names_rows_outside(tmp_path):
+    import json
+
+    from benchmarks.memory_truth_gpu import VARIANTS, _axes, _spec, render
+
+    # A spec's tuples of axes survive the trip through JSON.
+    spec = ("batch", None, ("batch", "model"))
+    assert tuple(map(_axes, json.loads(json.dumps(_spec(spec))))) == spec
+    estimate = {"peak_bytes": 1000}
+    cases = [
+        {"model": "a", "mesh": "2x4", "policy": "float32", "estimate": estimate,
+         "levers": "none"},
+        {"model": "b", "mesh": "1x8", "policy": "float32, remat all",
+         "estimate": estimate, "levers": "remat 2 layers"},
+    ]  # fmt: skip
+    peaks = {"default": (1000, 2000), "estimate_limit": (1000, 800),
+             "memory_scheduler": (950, 1000)}  # fmt: skip
+    results = {
+        str(i): {v: {"peak": peaks[v][i], "jax": "0.11.2"} for v in VARIANTS}
+        for i in range(2)
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "gpu_results.json").write_text(json.dumps(results))
+    text = render(str(tmp_path), "python -m benchmarks.memory_truth_gpu render")
+    assert "- defaults: 0.50 to 1.00 (1 of 2 within ±15 %)" in text
+    assert "rematerializing rows 1.25 to 1.25 (0 of 1 within ±15 %)" in text
+    assert "with the estimate as limit: b 1x8 float32, remat all (1.25)." in text
+    assert "jax 0.11.2" in text
