@@ -3,6 +3,10 @@
 # the project with the extras it needs, then runs the demo or the test suite.
 #   bash dev.sh demo [demo options]   # shard a KerasHub GPT-2 over 8 devices
 #   bash dev.sh test [pytest options] # the whole test suite
+# The suite runs in 2 worker processes (pytest-xdist, a test file per worker
+# at a time: module fixtures are built once), as many as CI's 2 cores; set
+# KERAS_AUTOSHARD_TEST_WORKERS to change that, or pass -n 0 to run in this
+# process.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -26,6 +30,7 @@ command="${1:-}"
 shift || true
 case "$command" in
   demo) exec "$venv/bin/python" -m keras_autoshard demo "$@" ;;
-  test) exec "$venv/bin/python" -m pytest -q -W ignore::DeprecationWarning "$@" ;;
+  test) exec "$venv/bin/python" -m pytest -q -W ignore::DeprecationWarning \
+    -n "${KERAS_AUTOSHARD_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
   *) echo "usage: bash dev.sh {demo|test} [options]" >&2; exit 2 ;;
 esac
