@@ -168,9 +168,9 @@ def _recompute_backward(function, primals, cotangents):
 
 @functools.cache
 def _recomputed_call():
+    """`function(*primals)`, differentiated by `_recompute_backward`."""
     import jax
 
-    """`function(*primals)`, differentiated by `_recompute_backward`."""
     recomputed = jax.custom_vjp(_call, nondiff_argnums=(0,))
     recomputed.defvjp(_recompute_forward, _recompute_backward)
     return recomputed
