@@ -196,7 +196,9 @@ def run_bench(
     commands = {name: BENCHMARKS[name].command(output, quick) for name in names}
     if dry_run:
         for command in commands.values():
-            console.print(shlex.join(command), markup=False, highlight=False)
+            console.print(
+                shlex.join(command), markup=False, highlight=False, soft_wrap=True
+            )
         return 0
     results: list[tuple[str, int, float]] = []
     with progress_bar("benchmarks", len(commands)) as task:

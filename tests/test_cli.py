@@ -356,7 +356,9 @@ def test_bench_lists_every_benchmark_with_its_section():
 
 
 def test_bench_dry_run_prints_each_command_with_the_output_file(tmp_path):
-    output = tmp_path / "BENCH.md"
+    # A path longer than the console's 160 columns: each command stays one
+    # line, to be copied whole (CI's temporary paths are long).
+    output = tmp_path / ("long_folder_name_" * 10) / "BENCH.md"
     result = run_cli(
         "bench", "--dry-run", "--quick", "--only", "strategies", "tensor_parallel",
         "--output", str(output), timeout=60,
