@@ -141,6 +141,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         "forward step" + _as_planned_note(result.plan, options is not None) + ".",
         markup=False,
         highlight=False,
+        soft_wrap=True,  # one line: a long path stays whole
     )
     console.print(report.table(), markup=False, highlight=False)
     checks = check_estimates(
