@@ -22,6 +22,15 @@ python -m benchmarks.memory_truth_gpu compile --dir gpu_truth
 python -m benchmarks.memory_truth_gpu render --dir gpu_truth --output BENCHMARKS.md
 ```
 
+When the estimate changes and no GPU is at hand, `recheck` plans and exports
+the cases again (into `<dir>/current`) and sets each current estimate
+against the stored compiled peaks of the rows whose exported program is
+unchanged (source locations aside), in its own section:
+
+```
+python -m benchmarks.memory_truth_gpu recheck --dir gpu_truth --output BENCHMARKS.md
+```
+
 `export` and `render` need this project's environment; `compile` needs only
 jax and its CUDA plugin (imports nothing else of this project).
 """
@@ -36,6 +45,9 @@ import time
 from collections.abc import Sequence
 
 SECTION_NAME = "memory-truth-gpu"
+RECHECK_SECTION = "memory-truth-gpu-recheck"
+# `loc(...)` references and location definitions of an MLIR module's text.
+_LOCATIONS = re.compile(r"\s*loc\([^)]*\)|^#loc.*$", re.MULTILINE)
 TARGET = os.path.join(os.path.dirname(__file__), "targets", "nvidia_h200.textproto")
 # XLA:GPU's scheduler keeps within this share of the device's memory.
 SCHEDULER_SHARE = 0.8
@@ -265,12 +277,93 @@ def _outside(ratios) -> str:
     return "; ".join(rows) or "none"
 
 
+def _module_text(path: str) -> str:
+    """An exported program's module without its source locations."""
+    import jax
+
+    with open(path, "rb") as file:
+        exported = jax.export.deserialize(bytearray(file.read()))
+    return _LOCATIONS.sub("", exported.mlir_module())
+
+
+def recheck(directory: str, command: str) -> str:
+    """The current estimates against the stored XLA:GPU peaks of the rows
+    whose exported program is unchanged (Markdown)."""
+    from benchmarks.markdown import markdown_table
+    from keras_autoshard.plans.plan_table import format_bytes
+
+    current = os.path.join(directory, "current")
+    export_cases(current)
+    with open(os.path.join(directory, "cases.json")) as file:
+        stored = json.load(file)
+    with open(os.path.join(current, "cases.json")) as file:
+        cases = json.load(file)
+    with open(os.path.join(directory, "gpu_results.json")) as file:
+        results = json.load(file)
+    rows, ratios, changed = [], {"default": [], "memory_scheduler": []}, []
+    for index, case in enumerate(cases):
+        name = f"case{index:03d}.bin"
+        same = _module_text(os.path.join(directory, name)) == _module_text(
+            os.path.join(current, name)
+        )
+        label = f"{case['model']} {case['mesh']} {case['policy']}"
+        if not same:
+            changed.append(label)
+            continue
+        estimate = case["estimate"]["peak_bytes"]
+        before = stored[index]["estimate"]["peak_bytes"]
+        cells = [case["model"], case["mesh"], case["policy"]]
+        cells += [format_bytes(before), format_bytes(estimate)]
+        for variant in ratios:
+            peak = results[str(index)][variant]["peak"]
+            ratios[variant].append(estimate / peak)
+            cells += [f"{before / peak:.2f}", f"{estimate / peak:.2f}"]
+        rows.append(cells)
+    table = markdown_table(
+        [
+            "model",
+            "mesh",
+            "policy",
+            "estimate compiled for",
+            "current estimate",
+            "defaults: then",
+            "now",
+            "memory scheduler only: then",
+            "now",
+        ],
+        rows,
+        right_aligned=[False] * 3 + [True] * 6,
+    )
+
+    def span(values) -> str:
+        inside = sum(AGREE[0] <= r <= AGREE[1] for r in values)
+        return (
+            f"{min(values):.2f} to {max(values):.2f} "
+            f"({inside} of {len(values)} within ±15 %)"
+        )
+
+    return (
+        "### The current estimate against the same XLA:GPU programs\n\n"
+        "The estimate has changed since the programs above were compiled on "
+        "a GPU. The cases planned and exported again here: where a row's "
+        "exported program is unchanged (its module text, source locations "
+        "aside), the compiled peaks above hold for it, and the current "
+        f"estimate over them is, at XLA:GPU's defaults, {span(ratios['default'])}; "
+        "with its memory scheduler alone, "
+        f"{span(ratios['memory_scheduler'])}. Rows whose program changed (a "
+        "budget now met by another plan) are left out: "
+        f"{'; '.join(changed) or 'none'}. The limit = estimate compilations "
+        "set the limit from the earlier estimate, so they are not compared. "
+        f"Regenerate with:\n\n```\n{command}\n```\n\n{table}\n"
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.memory_truth_gpu",
         description=__doc__.split("\n")[0],
     )
-    parser.add_argument("step", choices=("export", "compile", "render"))
+    parser.add_argument("step", choices=("export", "compile", "render", "recheck"))
     parser.add_argument("--dir", required=True, help="folder of the exported cases")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--output", help="Markdown file whose section to rewrite")
@@ -283,6 +376,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         export_cases(args.dir)
     elif args.step == "compile":
         compile_cases(args.dir, args.workers)
+    elif args.step == "recheck":
+        from benchmarks.markdown import write_section
+
+        command = (
+            "python -m benchmarks.memory_truth_gpu recheck --dir gpu_truth "
+            "--output BENCHMARKS.md"
+        )
+        section = recheck(args.dir, command)
+        print(section)
+        if args.output:
+            write_section(args.output, RECHECK_SECTION, section)
     else:
         from benchmarks.markdown import write_section
 

@@ -13,17 +13,19 @@ MESH = MeshSpec((2, 4), ("batch", "model"))
 
 
 def test_gradient_accumulation_is_chosen_only_when_nothing_else_fits():
-    build, batch = zoo.ZOO["llama"]
-    x = batch()
+    # A batch of 64 sequences: the zoo's 8 leave activations too small a
+    # part of the peak for accumulation to help (its update holds the
+    # variables and their slots twice).
+    build, _ = zoo.ZOO["llama"]
+    x = zoo.token_inputs(1024, batch=64)
     free = plan(build, MESH, x)
     estimate = free.estimate
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     # 45 % of the free plan's peak: no sharding with rematerialization of
-    # the whole batch fits (measured: 40 % and 45 % need 4 micro-batches,
-    # 50 % and 55 % two, 35 % nothing fits).
+    # the whole batch fits (measured: 45 % and 50 % need 2 micro-batches,
+    # 35 % nothing fits).
     budget = int(0.45 * estimate.peak_bytes)
-    assert budget < state
     with pytest.raises(PlanError, match="No plan fits"):
         plan(build, MESH, x, memory_budget=int(0.2 * state))
     accumulated = plan(build, MESH, x, memory_budget=budget)

@@ -13,7 +13,10 @@ import pytest
 
 from benchmarks import zoo
 from keras_autoshard import MeshSpec, PlanDistribution, plan
-from keras_autoshard.report.compiled_program import inspect_compiled
+from keras_autoshard.report.compiled_program import (
+    MEMORY_SCHEDULE_ON_CPU,
+    inspect_compiled,
+)
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
 TOLERANCE = 0.15
@@ -47,7 +50,7 @@ def test_lora_plan_budgets_optimizer_state_for_the_lora_kernels_only(shape):
     # The frozen base weights carry neither: far below the full fine-tune's.
     assert estimate.optimizer_bytes < full_plan.estimate.optimizer_bytes / 10
 
-    report = inspect_compiled(model, distribution, (x, y))
+    report = inspect_compiled(model, distribution, (x, y), MEMORY_SCHEDULE_ON_CPU)
     compiled = compiled_peak_bytes(report.train_step.memory)
     ratio = estimate.peak_bytes / compiled
     assert abs(ratio - 1) <= TOLERANCE, (shape, ratio, estimate.to_dict())

@@ -1,7 +1,12 @@
 """Plans that fit: under a budget the sharding alone cannot meet, the planner
 rematerializes repeated layers, and the compiled program keeps its word.
 
-The budget is 60 % of the plan's own peak without a budget. The compiled
+The budget is 70 % (Llama) and 75 % (the subclassed model) of the plan's
+own peak without a budget: these models are small, their parameters and
+Adam's slots a large part of their peak, and plans fill 90 % of a budget
+(`plans.estimate.HEADROOM`), so at 60 % no plan fits Llama (gradient
+accumulation does not help it: its update holds the variables twice). The
+compiled
 memory is read with XLA:CPU scheduling for memory and keeping the
 recomputation (`MEMORY_SCHEDULE_ON_CPU`), as accelerators do; with its
 defaults XLA:CPU merges the recomputation away. The planned
@@ -43,7 +48,7 @@ def _compiled(sharding_plan, build, x, y):
     ).train_step
 
 
-@pytest.mark.parametrize("name, share", [("llama", 0.6), ("subclassed", 0.7)])
+@pytest.mark.parametrize("name, share", [("llama", 0.7), ("subclassed", 0.75)])
 def test_a_budget_that_needs_rematerialization_is_met_by_the_compiled_step(name, share):
     build, batch = zoo.ZOO[name]
     x = batch()

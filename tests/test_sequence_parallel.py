@@ -267,10 +267,11 @@ def test_auto_chooses_sequence_parallelism_before_rematerialization_to_fit():
     x, y = _batch()
     tensor_parallel = plan(_gpt2, mesh, x)
     sequence_parallel = plan(_gpt2, mesh, x, sequence_parallel=True)
-    # A budget the sequence-parallel plan fits and the plain one does not,
-    # even with its parameters cut for storage.
-    usable = 0.85 * tensor_parallel.estimate.peak_bytes
-    assert sequence_parallel.estimate.peak_bytes <= usable
+    # A budget the sequence-parallel plan just fits and the plain one does
+    # not, even with its parameters cut for storage (3 % above it, a plan
+    # without levers fits: storage cuts).
+    usable = 1.01 * sequence_parallel.estimate.peak_bytes
+    assert usable < tensor_parallel.estimate.peak_bytes
     budget = int(usable / (1 - HEADROOM))
 
     fitted = plan(_gpt2, mesh, x, memory_budget=budget, sequence_parallel="auto")

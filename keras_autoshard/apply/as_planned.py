@@ -4,9 +4,10 @@ A plan's estimate counts its levers: the layers it rematerializes, the
 micro-batches it accumulates gradients over. A compiled step checked
 against that estimate must use them too, or a rematerialized plan's
 estimate is compared with a program that keeps every activation. On
-XLA:CPU, whose default pipeline merges a rematerialized call's
-recomputation back into the forward pass, such a step is compiled
-scheduled for memory (`MEMORY_SCHEDULE_ON_CPU`), as accelerators schedule.
+XLA:CPU, whose default pipeline ignores memory when it orders a program
+and merges a rematerialized call's recomputation back into the forward
+pass, a train step is compiled scheduled for memory with its optimization
+barriers kept (`MEMORY_SCHEDULE_ON_CPU`), as accelerators compile it.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def first_micro_batch(sharding_plan: ShardingPlan, data: Any) -> Any:
 
 
 def compiler_options_for(sharding_plan: ShardingPlan) -> dict[str, str] | None:
-    """`MEMORY_SCHEDULE_ON_CPU` for a plan that rematerializes compiled on
-    XLA:CPU (whose defaults merge the recomputation away); `None` else.
+    """`MEMORY_SCHEDULE_ON_CPU` for a training plan compiled on XLA:CPU
+    (whose defaults order a program for throughput and merge a
+    recomputation away); `None` else (accelerators schedule for memory).
 
     Args:
         sharding_plan: The plan.
@@ -74,6 +76,8 @@ def compiler_options_for(sharding_plan: ShardingPlan) -> dict[str, str] | None:
     """
     import jax
 
-    if sharding_plan.rematerialize and jax.default_backend() == "cpu":
+    estimate = sharding_plan.estimate
+    training = estimate is None or estimate.job == "train"
+    if training and jax.default_backend() == "cpu":
         return dict(MEMORY_SCHEDULE_ON_CPU)
     return None

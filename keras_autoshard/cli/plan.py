@@ -178,14 +178,11 @@ def _as_planned_note(sharding_plan, memory_scheduled: bool) -> str:
     """How the compiled step follows the plan's levers, for the header."""
     parts = []
     if sharding_plan.rematerialize:
+        parts.append(f"{len(sharding_plan.rematerialize)} layer(s) rematerialized")
+    if memory_scheduled:
         parts.append(
-            f"{len(sharding_plan.rematerialize)} layer(s) rematerialized"
-            + (
-                ", scheduled for memory (XLA:CPU's defaults merge the "
-                "recomputation away)"
-                if memory_scheduled
-                else ""
-            )
+            "scheduled for memory as accelerators are (XLA:CPU's defaults "
+            "order for throughput and merge a recomputation away)"
         )
     if sharding_plan.gradient_accumulation_steps > 1:
         parts.append(

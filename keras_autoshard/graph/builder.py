@@ -212,6 +212,10 @@ class _GraphBuilder:
         self.residuals: dict[tuple[int, float], int] = {}
         # The same key -> the top-level layers whose equations keep it.
         self.residual_layers: dict[tuple[int, float], set[str]] = {}
+        # Derivative intermediates of elementwise equations that keep
+        # nothing else: (tensor tied to, operands, times, layer), resolved
+        # once every equation's residuals are known (`_resolve_derived`).
+        self._derived: list[tuple[int, tuple[int, ...], int, str]] = []
         self.other_residual_bytes = 0
         # Tensors computed from constants only.
         self.constant_like: set[int] = set()
@@ -270,6 +274,12 @@ class _GraphBuilder:
                 self.other_residual_bytes += residual.nbytes * eqn.multiplicity
                 continue
             tid = (eqn.ins if residual.side == "in" else outs)[residual.index]
+            if residual.derived and name in FUSIBLE_PRIMITIVES:
+                if not any(not other.derived for other in found):
+                    self._derived.append(
+                        (tid, tuple(eqn.ins), eqn.multiplicity, self.layers.current)
+                    )
+                continue
             if tid in self.constant_like:
                 continue
             whole = math.prod(self.shape(tid)) * self.tensors[tid].itemsize
@@ -277,6 +287,37 @@ class _GraphBuilder:
             key = (self.view_of.get(tid, tid), scale)
             self.residuals[key] = max(self.residuals.get(key, 0), eqn.multiplicity)
             self.residual_layers.setdefault(key, set()).add(self.layers.current)
+
+    def _resolve_derived(self) -> None:
+        """Keep what elementwise equations' derivative intermediates are
+        recomputed from (`2 x` of `x ** 2`, `s (1 - s)` of a sigmoid).
+
+        XLA computes such an intermediate inside the backward fusion that
+        reads it. An equation that also keeps its output or an operand
+        recomputes it from those (`record_residuals` drops it). Otherwise
+        it comes from the equation's output where something else keeps that
+        output (a ReLU's output a matrix product reads), and else from the
+        operand of its shape that carries a gradient: a square read only by
+        a reduction is fused into the reduction, never materialised, and
+        its derivative `2 x` is made from `x`.
+        """
+        for tied, operands, times, layer in self._derived:
+            source = tied
+            if (self.view_of.get(tied, tied), 1.0) not in self.residuals:
+                shape = self.shape(tied)
+                source = next(
+                    (
+                        tid
+                        for tid in operands
+                        if self.shape(tid) == shape and self.requires_grad(tid)
+                    ),
+                    tied,
+                )
+            if source in self.constant_like:
+                continue
+            key = (self.view_of.get(source, source), 1.0)
+            self.residuals[key] = max(self.residuals.get(key, 0), times)
+            self.residual_layers.setdefault(key, set()).add(layer)
 
     def is_activation(self, tid: int) -> bool:
         return self.tensors[tid].kind == "activation" and tid not in self.constant_like
@@ -406,6 +447,7 @@ class _GraphBuilder:
         self.slice_edges.append((source_elem, target_elem, tensor, reason))
 
     def build(self) -> AxisGraph:
+        self._resolve_derived()
         self._mark_repeated_classes()
         class_of, classes = self._compact_classes()
         tensors = tuple(

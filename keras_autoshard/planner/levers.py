@@ -444,11 +444,22 @@ def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     )
     if state < budget and per_batch > 0:
         steps = max(2, math.ceil(per_batch / (budget - state)))
-        if estimate.job == "train":
+        # Accumulating, the update writes every variable, its slots and its
+        # accumulator anew beside the old (`memory_model`): at most twice
+        # the parameters and their slots, and two accumulators.
+        variables = estimate.parameter_bytes + estimate.optimizer_bytes
+        update = 2 * variables + 2 * estimate.parameter_bytes
+        if estimate.job == "train" and update <= budget:
             suggestions.append(
                 f"a batch {steps}x smaller per step, or gradient accumulation "
                 f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
                 f"the optimizer, each step fed 1/{steps} of the batch)"
+            )
+        elif estimate.job == "train":
+            suggestions.append(
+                f"a batch {steps}x smaller per step (gradient accumulation "
+                "would not fit: its update holds the variables and their "
+                "optimizer slots twice)"
             )
         else:  # no optimizer to accumulate in: the batch, or the sequence
             suggestions.append(

@@ -71,8 +71,18 @@ class LinearProgram:
         self.row_lower.append(float(lower))
         self.row_upper.append(float(upper))
 
-    def solve(self, time_limit_s: float = 60.0) -> np.ndarray:
-        """Solve; returns the variable values (integers rounded)."""
+    def solve(
+        self, time_limit_s: float = 60.0, node_limit: int | None = None
+    ) -> np.ndarray:
+        """Solve; returns the variable values (integers rounded).
+
+        Args:
+            time_limit_s: Wall-clock limit of the solver.
+            node_limit: Branch-and-bound nodes the solver may explore
+                (deterministic, unlike the time limit); `None` for no limit.
+                Reached with no integer solution, the program counts as
+                infeasible (`InfeasibleError`).
+        """
         if self.num_vars == 0:
             return np.zeros(0)
         data, row_index, col_index = [], [], []
@@ -94,7 +104,11 @@ class LinearProgram:
             integrality=np.asarray(self.integer, dtype=int),
             bounds=optimize.Bounds(self.lower, self.upper),
             constraints=constraints,
-            options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
+            options={
+                "time_limit": time_limit_s,
+                "mip_rel_gap": 1e-6,
+                **({} if node_limit is None else {"node_limit": node_limit}),
+            },
         )
         if result.x is None:
             raise InfeasibleError(f"No solution: {result.message}")

@@ -21,6 +21,12 @@ peak fits:
 sharding shrinks tensors of one class set alike, so that one is the set's
 largest on every device too).
 
+The estimate takes the fullest of the step's phases (backward pass, loss,
+a pooling's workspace); this row adds their parts, an envelope of them.
+Under gradient accumulation a second row bounds the update (a new copy of
+every trainable variable, its slots and accumulator beside the old, with
+the kept activations and the data).
+
 With layers rematerialized, this row is the envelope of the backward
 pass's stages (`remat.backward_stages`): every gradient counted beside the
 largest layer's recomputed residuals, as a schedule that runs each update
@@ -73,17 +79,31 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
     half = options.platform == "cpu"
     row: dict[int, float] = {}
     constant = 0.0
+    # Under gradient accumulation, the update's row (`memory_model`: every
+    # trainable variable, its slots and accumulator written anew beside the
+    # old; no gradient, loss or backward workspace).
+    update: dict[int, float] | None = {} if micro_batches > 1 else None
+    update_constant = 0.0
 
-    def add(tensor, fsdp: bool, scale: float) -> None:
-        nonlocal constant
+    def add(tensor, fsdp: bool, scale: float, update_scale: float | None = None):
+        nonlocal constant, update_constant
         fixed, terms = program.bytes_terms(tensor, fsdp=fsdp, scale=scale)
         constant += fixed
         for var, coefficient in terms.items():
             row[var] = row.get(var, 0.0) + coefficient
+        if update is None:
+            return
+        if update_scale is None:
+            update_scale = scale
+        ratio = update_scale / scale if scale else 0.0
+        update_constant += fixed * ratio
+        for var, coefficient in terms.items():
+            update[var] = update.get(var, 0.0) + coefficient * ratio
 
     train = options.job == "train"
     part = 1.0 / micro_batches
-    copies = 2.0 + options.optimizer_slots + (1.0 if micro_batches > 1 else 0.0)
+    slots = options.optimizer_slots
+    copies = 2.0 + slots + (1.0 if micro_batches > 1 else 0.0)
     unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind == "state":
@@ -91,7 +111,8 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         elif tensor.kind == "param":
             # An unread parameter's gradient is zero, folded by XLA.
             gradient = 1.0 if tensor.id in unread else 0.0
-            add(tensor, True, copies - gradient if train else 1.0)
+            # The update: the variable, its slots and accumulator, twice.
+            add(tensor, True, copies - gradient if train else 1.0, 2 * (2 + slots))
         elif tensor.kind == "input":
             add(tensor, False, part)
     if options.job == "inference":  # the predictions predict returns
@@ -104,6 +125,7 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
                 add(graph.tensors[tid], False, 1.0)
     if train:
         constant += graph.other_residual_bytes * part
+        update_constant += graph.other_residual_bytes * part
         for tid, factor in kept_terms(graph, remat):
             tensor = graph.tensors[tid]
             add(tensor, False, factor * kept_widening(graph, tensor, half) * part)
@@ -116,7 +138,8 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
             tensor = graph.tensors[tid]
             if tensor.requires_grad:
                 constant += tensor.nbytes / data_ways * part
-                add(tensor, False, 2.0 * widening(tensor, half) * part)
+                update_constant += tensor.nbytes / data_ways * part
+                add(tensor, False, 2.0 * widening(tensor, half) * part, 0.0)
     transient = program.lp.add_var(upper=np.inf)
     row[transient] = row.get(transient, 0.0) + 1.0
     for tensor, factor in _transient_candidates(graph, train, half, part):
@@ -135,12 +158,14 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         scaled[peak] = -1.0
         program.lp.add_row(scaled, upper=-constant / MIB)
         return
-    if constant > budget:
+    if max(constant, update_constant) > budget:
         raise InfeasibleError(
-            f"Even fully sharded, {constant / 2**20:.1f} MiB per device cannot "
-            "be cut (replicated parts)."
+            f"Even fully sharded, {max(constant, update_constant) / 2**20:.1f} "
+            "MiB per device cannot be cut (replicated parts)."
         )
     program.lp.add_row(row, upper=budget - constant)
+    if update is not None:
+        program.lp.add_row(update, upper=budget - update_constant)
 
 
 def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):

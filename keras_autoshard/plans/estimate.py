@@ -11,10 +11,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# Share of the budget the estimate must leave free: the estimate agrees with
-# the compiled program's peak within about 10 % (measured on the test zoo,
-# `tests/test_memory_estimate.py`), so a plan
-# estimated within 90 % of the budget compiles within it.
+# Share of the budget the estimate must leave free for its error against the
+# compiled program's peak: measured on the test zoo from 0.86 to 1.14 of it
+# (`tests/test_memory_estimate.py`), the low end where XLA:CPU's depth-first
+# memory scheduler runs weight gradients late; the plans that budgets bind in
+# `tests/test_remat_fit.py` compile within their budgets.
 HEADROOM = 0.10
 
 

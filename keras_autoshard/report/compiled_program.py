@@ -31,20 +31,20 @@ _MEMORY_FIELDS = {
 
 
 # XLA:CPU compiles for throughput: its default scheduler ignores memory, and
-# CSE merges a rematerialized call's recomputation back into the forward pass
-# (the optimization barriers JAX places are removed before CSE on CPU), so a
-# CPU program keeps every activation whether or not layers are
-# rematerialized. Accelerators schedule for memory and keep the barriers
-# until scheduling. These compiler options make an XLA:CPU program do the
-# same (measured: a jax.checkpoint'ed 8-layer MLP's gradient needs 90 MiB of
-# temporaries with the defaults, 22 MiB with these, 92 MiB without
-# checkpointing either way). One difference stays: XLA:CPU's memory
-# scheduler is depth-first from the outputs only, where XLA:GPU takes the
-# lowest peak of a list, a depth-first and a post-order schedule, so a CPU
-# reading can be higher than an accelerator's for the same program.
+# it removes optimization barriers early (`cse_barrier_expander`), so CSE
+# merges a rematerialized call's recomputation back into the forward pass and
+# nothing ties a rematerialized layer's gradients together
+# (`apply/remat.py`). Accelerators schedule for memory and keep the barriers
+# through scheduling. These compiler options make an XLA:CPU program do the
+# same: its memory scheduler, and the barriers kept (XLA:CPU runs them as
+# no-ops). Measured: a jax.checkpoint'ed 8-layer MLP's gradient needs 90 MiB
+# of temporaries with the defaults, 22 MiB with these, 92 MiB without
+# checkpointing either way. One difference stays: XLA:CPU's memory scheduler
+# is depth-first from the outputs only, where XLA:GPU takes the lowest peak of
+# a list, a depth-first and a post-order schedule.
 MEMORY_SCHEDULE_ON_CPU = {
     "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-    "xla_disable_hlo_passes": "cse",
+    "xla_disable_hlo_passes": "cse_barrier_expander",
 }
 
 
@@ -59,7 +59,7 @@ def inspect_compiled(
         sample_batch: `(x, y)` or `(x, y, sample_weight)` with the global batch.
         compiler_options: XLA options for these compilations (e.g.
             `MEMORY_SCHEDULE_ON_CPU`, to read on simulated CPU devices the
-            memory a rematerialized model takes on an accelerator).
+            memory a step takes compiled as an accelerator compiles it).
 
     Returns:
         A `CompiledReport`.

@@ -70,11 +70,15 @@ class Residual:
             position of the tensor with the same element count whose cut it
             shares, or -1 for none (then counted whole on every device).
         nbytes: Its bytes (whole, unsharded).
+        derived: An intermediate of the derivative (not the equation's own
+            output nor an operand: `2 x` for `x ** 2`, `s (1 - s)` for a
+            sigmoid), tied by shape to `index`.
     """
 
     side: str
     index: int
     nbytes: int
+    derived: bool = False
 
 
 def equation_residuals(
@@ -203,8 +207,29 @@ def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
             continue
         if "from a literal" in description or "from a constant" in description:
             continue
-        residuals.append(_matched(aval, nbytes, outs, in_avals))
+        if description.startswith("output of stop_gradient "):
+            # An operand that carries no gradient, as `alone` passed it.
+            held = _held_operand(aval, in_avals, grads)
+            if held is not None:
+                residuals.append(Residual("in", held, nbytes))
+                continue
+        matched = _matched(aval, nbytes, outs, in_avals)
+        own_output = description.startswith(f"output of {primitive.name} ")
+        residuals.append(dataclasses.replace(matched, derived=not own_output))
     return tuple(residuals)
+
+
+def _held_operand(aval, in_avals, grads) -> int | None:
+    """The operand without a gradient (passed through `stop_gradient`) that
+    a residual of `aval`'s shape and dtype is: a select's predicate."""
+    for index, (candidate, grad) in enumerate(zip(in_avals, grads)):
+        if grad and _inexact(candidate):
+            continue
+        if tuple(candidate.shape) == tuple(aval.shape) and str(candidate.dtype) == str(
+            aval.dtype
+        ):
+            return index
+    return None
 
 
 def _matched(aval, nbytes: int, outs, ins) -> Residual:
