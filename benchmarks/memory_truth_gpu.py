@@ -283,7 +283,8 @@ def _module_text(path: str) -> str:
 
     with open(path, "rb") as file:
         exported = jax.export.deserialize(bytearray(file.read()))
-    return _LOCATIONS.sub("", exported.mlir_module())
+    text = _LOCATIONS.sub("", exported.mlir_module())
+    return "\n".join(line for line in text.splitlines() if line.strip())
 
 
 def recheck(directory: str, command: str) -> str:
@@ -300,7 +301,9 @@ def recheck(directory: str, command: str) -> str:
         cases = json.load(file)
     with open(os.path.join(directory, "gpu_results.json")) as file:
         results = json.load(file)
-    rows, ratios, changed = [], {"default": [], "memory_scheduler": []}, []
+    rows, changed = [], []
+    ratios = {"default": [], "memory_scheduler": []}
+    earlier = {"default": [], "memory_scheduler": []}
     for index, case in enumerate(cases):
         name = f"case{index:03d}.bin"
         same = _module_text(os.path.join(directory, name)) == _module_text(
@@ -317,6 +320,7 @@ def recheck(directory: str, command: str) -> str:
         for variant in ratios:
             peak = results[str(index)][variant]["peak"]
             ratios[variant].append(estimate / peak)
+            earlier[variant].append(before / peak)
             cells += [f"{before / peak:.2f}", f"{estimate / peak:.2f}"]
         rows.append(cells)
     table = markdown_table(
@@ -348,9 +352,12 @@ def recheck(directory: str, command: str) -> str:
         "a GPU. The cases planned and exported again here: where a row's "
         "exported program is unchanged (its module text, source locations "
         "aside), the compiled peaks above hold for it, and the current "
-        f"estimate over them is, at XLA:GPU's defaults, {span(ratios['default'])}; "
-        "with its memory scheduler alone, "
-        f"{span(ratios['memory_scheduler'])}. Rows whose program changed (a "
+        f"estimate over them is, at XLA:GPU's defaults, {span(ratios['default'])} "
+        f"(the earlier estimate: {span(earlier['default'])}); with its memory "
+        f"scheduler alone, {span(ratios['memory_scheduler'])} (earlier: "
+        f"{span(earlier['memory_scheduler'])}). XLA:GPU's defaults spend "
+        "memory on overlap up to the device's 140 GiB, far above these "
+        "programs. Rows whose program changed (a "
         "budget now met by another plan) are left out: "
         f"{'; '.join(changed) or 'none'}. The limit = estimate compilations "
         "set the limit from the earlier estimate, so they are not compared. "

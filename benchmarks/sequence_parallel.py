@@ -115,8 +115,8 @@ def render(rows: Sequence[dict]) -> str:
                 _ratio(row["sp_least"], row["tp_least"]),
                 f"{format_bytes(row['tp_ring'])} → {format_bytes(row['sp_ring'])}",
                 _ratio(row["sp_ring"], row["tp_ring"]),
-                f"{_ratio(row['tp_estimate'], row['tp_default'])} / "
-                f"{_ratio(row['sp_estimate'], row['sp_default'])}",
+                f"{_ratio(row['tp_estimate'], row['tp_memory'])} / "
+                f"{_ratio(row['sp_estimate'], row['sp_memory'])}",
             ]
         )
     header = [
@@ -140,9 +140,10 @@ def render(rows: Sequence[dict]) -> str:
         "tensor-parallel sharding is the same, the tokens of the activations "
         "between its regions are cut over `model`. Peak per device of the "
         "compiled train step (XLA memory analysis), with XLA:CPU's default "
-        "schedule (the one the free plans' estimates are checked against) and "
-        "scheduled for memory (`MEMORY_SCHEDULE_ON_CPU`, as for "
-        "rematerialization; XLA:CPU's memory scheduler is depth-first only), "
+        "schedule (ordered for throughput) and scheduled for memory with its "
+        "optimization barriers kept (`MEMORY_SCHEDULE_ON_CPU`, as accelerators "
+        "compile, the program estimates are checked against; XLA:CPU's memory "
+        "scheduler is depth-first only), "
         "and that program's instructions replayed in the order of least peak "
         "among a list, a depth-first and a post-order schedule, the choice "
         "XLA:GPU's memory scheduler makes (`report/hlo/schedules.py`: bytes "
@@ -150,7 +151,7 @@ def render(rows: Sequence[dict]) -> str:
         "under ring algorithms (an all-reduce 2(g−1)/g of its bytes, a "
         "reduce-scatter, written by XLA:CPU as an all-reduce sliced by "
         "partition, and an all-gather (g−1)/g). Estimate: the plan's peak over "
-        "the default schedule's; it counts each cut tensor a column-parallel "
+        "the memory-scheduled one's; it counts each cut tensor a column-parallel "
         "matmul reads at its whole size (the gathered copy the backward pass "
         "keeps for the weight gradient) and each row-parallel output cut (laid "
         "out whole, held reduce-scattered).\n\n" + markdown_table(header, table) + "\n"
