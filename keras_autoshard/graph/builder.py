@@ -275,7 +275,7 @@ class _GraphBuilder:
                 continue
             tid = (eqn.ins if residual.side == "in" else outs)[residual.index]
             if residual.derived and name in FUSIBLE_PRIMITIVES:
-                if not any(not other.derived for other in found):
+                if all(other.derived for other in found):
                     self._derived.append(
                         (tid, tuple(eqn.ins), eqn.multiplicity, self.layers.current)
                     )
