@@ -3,7 +3,9 @@ and nothing assigns to Keras.
 
 Stage order (a module may import its own stage and earlier ones only):
 
-    errors, progress                      (0: below all)
+    errors, progress, compat              (0: below all; compat wraps every
+                                              Keras and JAX private and imports
+                                              only `errors`)
     plans                                 (1: the contract, plain data)
     runtime                               (2: devices, processes, collectives;
                                               speaks the mesh vocabulary)
@@ -38,6 +40,7 @@ PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_autoshard"
 STAGES = {
     "errors": 0,
     "progress": 0,
+    "compat": 0,
     "plans": 1,
     "runtime": 2,
     "trace": 3,
@@ -153,6 +156,17 @@ def test_no_module_imports_a_later_stage():
         if target not in PUBLIC_FRONTS and _stage(target) > _stage(module)
     ]
     assert not backwards, "\n".join(backwards)
+
+
+def test_compat_imports_nothing_of_the_package_but_errors():
+    compat = {
+        module for module in MODULES if module.startswith("keras_autoshard.compat")
+    }
+    reaching_out = {
+        module: sorted(IMPORT_GRAPH[module] - compat - {"keras_autoshard.errors"})
+        for module in sorted(compat)
+    }
+    assert compat and not any(reaching_out.values()), reaching_out
 
 
 def test_the_import_graph_sees_imports_inside_functions():

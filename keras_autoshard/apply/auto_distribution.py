@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 
 import keras
-from keras.src.distribution.distribution_lib import Distribution
+
+from keras_autoshard.compat import keras_private
 
 # Keras backend → (module, class) of its AutoShardDistribution.
 BACKEND_CLASSES = {
@@ -25,7 +26,7 @@ BACKEND_CLASSES = {
 }
 
 
-class AutoShardDistribution(Distribution):
+class AutoShardDistribution(keras_private.distribution_base()):
     """Shard a Keras model automatically: plan from its graph, then apply.
 
     Args:

@@ -3,9 +3,9 @@ optimizer slot belongs to, and the first batch a Keras epoch iterator yields."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import PlanError
 
 
@@ -37,10 +37,27 @@ def slot_owner(slot, owners: dict[str, tuple[Any, Any]]) -> tuple[Any, Any] | No
     return None if best is None else best[1]
 
 
-def first_batch(iterator: Iterable):
-    """The first batch of a Keras `EpochIterator`."""
-    for _, _, data_or_iterator in iterator:
-        if isinstance(data_or_iterator, (list, tuple)):
-            return data_or_iterator[0]
-        return next(data_or_iterator)
-    raise PlanError("The dataset yielded no batch to plan with.")
+def first_batch(x, y=None, sample_weight=None, batch_size=None):
+    """The first batch `fit` would make of this data (Keras's epoch
+    iterator), packed as `(x, y, sample_weight)`.
+
+    Raises:
+        PlanError: the data yields no batch.
+    """
+    return _found(keras_private.first_epoch_batch(x, y, sample_weight, batch_size))
+
+
+def first_batch_of(epoch_iterator):
+    """The first batch of the Keras `EpochIterator` Keras hands a model to
+    build from.
+
+    Raises:
+        PlanError: the iterator yields no batch.
+    """
+    return _found(keras_private.first_batch_of(epoch_iterator))
+
+
+def _found(batch):
+    if batch is None:
+        raise PlanError("The dataset yielded no batch to plan with.")
+    return batch

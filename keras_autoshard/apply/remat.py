@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import keras
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 
 
@@ -78,7 +79,7 @@ def rematerialize(model: keras.Model, plan: ShardingPlan | Sequence[str]) -> Non
     found = {name: _layer_at(model, name) for name in names}
     missing = sorted(name for name, layer in found.items() if layer is None)
     if missing:
-        layers = sorted(layer.name for layer in model._flatten_layers())
+        layers = sorted(layer.name for layer in keras_private.all_layers(model))
         raise PlanError(
             f"The plan rematerializes layers {missing}, which the model does not "
             f"have (its layers include {layers[:8]}). Plan this model again."
@@ -98,7 +99,7 @@ def _layer_at(model: keras.Model, path: str):
     for name in path.split("/"):
         matches = [
             inner
-            for inner in layer._flatten_layers(include_self=False)
+            for inner in keras_private.all_layers(layer, include_self=False)
             if inner.name == name
         ]
         if len(matches) != 1:
@@ -109,13 +110,12 @@ def _layer_at(model: keras.Model, path: str):
 
 def _checkpointed(call):
     import jax
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
 
     @functools.wraps(call)
     def checkpointed_call(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        scope = get_stateless_scope()
+        scope = keras_private.current_stateless_scope()
         recorded = _ScopeRecord(scope)
 
         def run(*arrays):

@@ -30,6 +30,7 @@ from keras_autoshard.checkpoint.steps import (
     complete_steps,
     latest_step,
 )
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
@@ -195,8 +196,6 @@ def save_checkpoint(
     pending.wait()
     ```
     """
-    from keras.src.utils.module_utils import ocp
-
     directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     if torch_dcp.torch_backend():  # torch.distributed.checkpoint, rank by rank
         info = custom_metadata(getattr(model, "plan", None), metadata, None)
@@ -208,6 +207,7 @@ def save_checkpoint(
     payload: dict[str, Any] = {STATE_CHECKPOINTABLE: model_state_tree(model)}
     if include_model_config:
         payload[CONFIG_CHECKPOINTABLE] = {"config": _model_config_json(model)}
+    ocp = _orbax_api()
     checkpointer = new_checkpointer(directory, max_to_keep)
     try:
         with ocp.Context():
@@ -263,7 +263,7 @@ def _folder_bytes(directory: str) -> int:
 
 def new_checkpointer(directory: str, max_to_keep: int | None = None):
     """An Orbax `training.Checkpointer` like the one Keras's callback makes."""
-    from keras.src.utils.module_utils import ocp
+    ocp = _orbax_api()
 
     policy = (
         ocp.training.preservation_policies.LatestN(max_to_keep)
@@ -317,8 +317,6 @@ def restore_checkpoint(
     print(restored.step, restored.metadata)
     ```
     """
-    from keras.src.utils.module_utils import ocp
-
     from keras_autoshard.runtime.sharded_arrays import abstract_like
 
     step = latest_step(directory) if step is None else step
@@ -341,6 +339,7 @@ def restore_checkpoint(
             metadata=ours.get("metadata"),
             data_iterator_state=ours.get("data_iterator_state"),
         )
+    ocp = _orbax_api()
     _build_optimizer(model)
     try:
         with ocp.Context():
@@ -421,9 +420,7 @@ def load_model_sharded(
     """
     import contextlib
 
-    from keras.src.saving import saving_lib
-    from keras.src.utils.module_utils import ocp
-
+    ocp = _orbax_api()
     step = latest_step(directory) if step is None else step
     directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     path = os.path.join(directory, str(step))
@@ -441,9 +438,7 @@ def load_model_sharded(
         distribution.scope() if distribution is not None else contextlib.nullcontext()
     )
     with scope:
-        model = saving_lib._model_from_config(
-            config_json, custom_objects=None, compile=compile, safe_mode=True
-        )
+        model = keras_private.model_from_config_json(config_json, compile=compile)
         restored = restore_checkpoint(model, directory, step)
     return model, restored
 
@@ -485,7 +480,7 @@ def model_state_tree(model) -> dict[str, Any]:
         "metrics_variables": model.metrics_variables,
     }
     return {
-        name: model._create_nested_dict(variables, "backend_tensor")
+        name: keras_private.nested_state_dict(model, variables)
         for name, variables in groups.items()
     }
 
@@ -547,13 +542,27 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _model_config_json(model) -> str:
-    from keras.src.saving import saving_lib
-
     try:
-        config_json, _ = saving_lib._serialize_model_as_json(model)
+        return keras_private.model_config_json(model)
     except Exception as error:
         raise CheckpointError(
             f"Model {model.name!r} cannot be serialised to a config ({error}). "
             "Implement get_config, or save with include_model_config=False."
         ) from error
-    return config_json
+
+
+def _orbax_api():
+    """Orbax's checkpointing API, `orbax.checkpoint.v1`, which Keras's
+    `OrbaxCheckpoint` callback uses too.
+
+    Raises:
+        ImportError: orbax-checkpoint is not installed.
+    """
+    try:
+        import orbax.checkpoint
+    except ImportError as error:
+        raise ImportError(
+            "Orbax checkpoints need the 'orbax-checkpoint' package: pip install "
+            "'keras-autoshard[checkpoint]' (or orbax-checkpoint)."
+        ) from error
+    return orbax.checkpoint.v1

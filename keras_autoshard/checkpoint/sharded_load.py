@@ -42,6 +42,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.progress import progress_bar
 from keras_autoshard.runtime.tensor_files import (
@@ -286,8 +287,8 @@ def from_preset(
             )
         report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
         for variable in unique_variables(backbone.variables):
-            if variable._value is None:  # not in the weights file
-                variable._deferred_initialize()
+            if not keras_private.has_value(variable):  # not in the weights file
+                keras_private.initialize_deferred(variable)
         if is_backbone:
             return backbone, report
         # The task around it: its own (small) head weights the KerasHub way.
@@ -490,7 +491,8 @@ def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
     array = assemble_from_slices(
         tensor.shape, numpy_dtype(tensor.dtype), sharding, read
     )
-    if variable._value is None:
-        variable._initialize(array)  # created without a value: this is its first
+    if not keras_private.has_value(variable):
+        # Created without a value: this is its first.
+        keras_private.initialize_with(variable, array)
     else:
         variable.assign(array)

@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
@@ -204,7 +205,7 @@ def _serialized(model: keras.Model) -> dict:
 def _layer_modules(model: keras.Model) -> set[str]:
     """Modules defining the model's layer classes, for the subprocess to import."""
     modules = set()
-    for layer in [model, *model._flatten_layers()]:
+    for layer in keras_private.all_layers(model):
         module = type(layer).__module__
         if not module.startswith(("keras.", "keras_hub.", "__main__")):
             modules.add(module)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 import jax
-from keras.src.backend.jax.trainer import _distribute_data
-from keras.src.trainers.data_adapters import data_adapter_utils
+import keras
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import MeshSpec, unique_variables
 from keras_autoshard.report.compiled_report import (
     CompiledReport,
@@ -78,14 +78,14 @@ def inspect_compiled(
             "inspect_compiled needs a compiled model: call model.compile(...) "
             "under the distribution's scope first."
         )
-    data = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch))
+    data = keras.utils.unpack_x_y_sample_weight(tuple(sample_batch))
     if getattr(distribution, "is_planned", True) is False:
         # A distribution that plans itself (AutoShardDistribution) plans on
         # this batch first: its named planning step, as fit would take it.
         distribution.prepare(model, data[0])
     with distribution.scope():
-        model._symbolic_build(data_batch=data)
-        distributed = _distribute_data(data)
+        keras_private.symbolic_build(model, data_batch=data)
+        distributed = keras_private.distribute_data(data)
         step, arguments = _train_step(model, distributed)
         train = step.lower(*arguments).compile(compiler_options=compiler_options)
         forward = _compile_forward_step(model, distributed[0], compiler_options)
@@ -135,7 +135,7 @@ def inspect_forward(model, distribution, x, compiler_options=None) -> CompiledSt
             "batch (or build it) under the distribution's scope first."
         )
     with distribution.scope():
-        (distributed,) = _distribute_data((x,))
+        (distributed,) = keras_private.distribute_data((x,))
         forward = _compile_forward_step(model, distributed, compiler_options)
     mesh = MeshSpec(
         tuple(distribution.device_mesh.shape), distribution.device_mesh.axis_names
@@ -167,14 +167,15 @@ def train_step_program(model, distribution, sample_batch):
     exported = jax.export.export(step, platforms=("cuda",))(*arguments)
     ```
     """
-    data = data_adapter_utils.unpack_x_y_sample_weight(tuple(sample_batch))
+    data = keras.utils.unpack_x_y_sample_weight(tuple(sample_batch))
     with distribution.scope():
-        model._symbolic_build(data_batch=data)
-        return _train_step(model, _distribute_data(data))
+        keras_private.symbolic_build(model, data_batch=data)
+        return _train_step(model, keras_private.distribute_data(data))
 
 
 def _train_step(model, data):
-    state = model._get_jax_state(
+    state = keras_private.jax_state(
+        model,
         trainable_variables=True,
         non_trainable_variables=True,
         optimizer_variables=True,
@@ -183,19 +184,21 @@ def _train_step(model, data):
     step = jax.jit(
         model.train_step,
         donate_argnums=0,
-        out_shardings=(None, model._get_state_sharding_spec()),
+        out_shardings=(None, keras_private.state_sharding_spec(model)),
     )
     return step, (state, data)
 
 
 def _compile_forward_step(model, x, compiler_options=None):
-    trainable, non_trainable, _, _ = model._get_state_sharding_spec()
+    trainable, non_trainable, _, _ = keras_private.state_sharding_spec(model)
 
     def predict_step(state, data):
         outputs, non_trainable_values = model.predict_step(state, data)
         return outputs, (state[0], non_trainable_values)
 
-    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True)
+    state = keras_private.jax_state(
+        model, trainable_variables=True, non_trainable_variables=True
+    )
     step = jax.jit(
         predict_step,
         donate_argnums=0,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
+from keras_autoshard.compat import jax_private
 from keras_autoshard.errors import DeviceSetupError  # noqa: F401
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -64,13 +64,11 @@ def simulate_devices(count: int = 8) -> int:
 
 def _running_jax_device_count() -> int | None:
     """Device count of an already started JAX backend, or None if not started."""
-    jax_module = sys.modules.get("jax")
-    if jax_module is None:
+    if not jax_private.backends_started():
         return None
-    xla_bridge = sys.modules.get("jax._src.xla_bridge")
-    if xla_bridge is None or not getattr(xla_bridge, "_backends", None):
-        return None
-    return jax_module.device_count()
+    import jax
+
+    return jax.device_count()
 
 
 def accelerator_memory_budget(reserve_fraction: float = 0.05) -> int | None:

@@ -13,6 +13,7 @@ import logging
 import jax
 import numpy as np
 
+from keras_autoshard.compat import jax_private, keras_private
 from keras_autoshard.errors import ClusterError
 from keras_autoshard.runtime.cluster_spec import ClusterSpec
 
@@ -32,18 +33,16 @@ def start_jax_distributed(
         heartbeat_timeout_s: Seconds before a silent process counts as dead.
         initialization_timeout_s: Seconds to wait for all processes to join.
     """
-    from jax._src import distributed
-
     if not spec.is_multi_process:
         detected = detected_cluster()
-        if detected is None or distributed.global_state.client is not None:
+        if detected is None or jax.distributed.is_initialized():
             return
         # A Cloud TPU pod slice (or another environment JAX recognises):
         # JAX reads the coordinator, count and id itself.
         logger.info("Joining the %s cluster JAX detected", detected)
         spec = None
 
-    if spec is not None and distributed.global_state.client is not None:
+    if spec is not None and jax.distributed.is_initialized():
         if (
             jax.process_count() == spec.num_processes
             and jax.process_index() == spec.process_id
@@ -69,9 +68,7 @@ def start_jax_distributed(
             "Call keras_autoshard.initialize() first in the script, before any "
             "JAX array or Keras model is created, on every process."
         ) from error
-    from keras.src.backend.jax.distribution_lib import initialize_rng
-
-    initialize_rng()
+    keras_private.initialize_rng()
     logger.info(
         "JAX cluster: %d processes, %d devices (%d local)",
         jax.process_count(),
@@ -86,17 +83,7 @@ def detected_cluster() -> str | None:
     Only environments JAX detects without opting in count; SLURM, torchrun
     and the explicit variables are read by `keras_autoshard.runtime.cluster` first.
     """
-    from jax._src.clusters import ClusterEnv
-
-    for environment in ClusterEnv._cluster_types:
-        if environment.opt_in_only_method or environment.name == "slurm":
-            continue
-        try:
-            if environment.is_env_present():
-                return environment.name
-        except Exception:  # a probe that cannot run here is not this cluster
-            continue
-    return None
+    return jax_private.self_detected_cluster(skipped_names=("slurm",))
 
 
 def process_count() -> int:
@@ -199,9 +186,7 @@ def share_text_from_process_0(name: str, text: str | None) -> str:
     """
     if jax.process_count() == 1:
         return text
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = jax_private.distributed_client()
     key = _PLAN_KEY_PREFIX + name
     if jax.process_index() == 0:
         client.key_value_set(key, text)

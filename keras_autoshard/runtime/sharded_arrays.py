@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_autoshard.compat import keras_private
+
 # One index per dimension, as `jax.make_array_from_callback` passes it.
 SliceIndex = tuple[slice, ...]
 
@@ -28,11 +30,11 @@ def variable_sharding(variable) -> jax.sharding.Sharding:
         a `SingleDeviceSharding` otherwise). For a variable created without a
         value (deferred), the sharding the active distribution gives it.
     """
-    if variable._value is None:
-        variable._initialize_layout()
-        if variable._layout is None:
+    if not keras_private.has_value(variable):
+        layout = keras_private.deferred_layout(variable)
+        if layout is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return variable._layout.backend_layout
+        return layout.backend_layout
     return variable.value.sharding
 
 
@@ -92,7 +94,7 @@ def release_value(variable) -> None:
     together; the variable must be assigned before it is used again. A
     variable without a value (deferred) has nothing to free.
     """
-    if variable._value is not None:
+    if keras_private.has_value(variable):
         variable.value.delete()
 
 

@@ -15,8 +15,7 @@ mapped directly: `optimizer/vars/<i>` is `model.optimizer.variables[i]`.
 
 from __future__ import annotations
 
-from keras.src.saving import saving_lib
-
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import CheckpointError
 
 OPTIMIZER_GROUP = "optimizer"
@@ -39,48 +38,25 @@ def keras_h5_keys(model) -> dict[str, object]:
     keys["layers/dense/vars/0"].path  # "dense/kernel"
     ```
     """
-    store = _RecordingStore()
     optimizer = getattr(model, "optimizer", None)
-    # Seeding the visited set keeps Keras from gathering the optimizer state.
-    visited = {id(optimizer)} if optimizer is not None else set()
-    saving_lib._save_state(
-        model,
-        weights_store=store,
-        assets_store=None,
-        inner_path="",
-        visited_saveables=visited,
-    )
-    keys = dict(store.variables_by_key)
-    if optimizer is not None:
-        for index, variable in enumerate(optimizer.variables):
-            keys[f"{OPTIMIZER_GROUP}/vars/{index}"] = variable
-    return keys
-
-
-class _RecordingStore(saving_lib.H5IOStore):
-    """A write-mode weights store that records keys instead of writing data."""
-
-    def __init__(self):  # no file: nothing is written
-        self.variables_by_key: dict[str, object] = {}
-        self._group_path = ""
-
-    def __bool__(self) -> bool:
-        return True
-
-    def make(self, path, metadata=None):
-        self._group_path = path
-        return self
-
-    def __setitem__(self, key, value):
-        dataset_key = f"{self._group_path}/vars/{key}".lstrip("/")
+    # Skipping the optimizer keeps Keras from gathering its state.
+    skipped = [optimizer] if optimizer is not None else []
+    keys = {}
+    for group_path, dataset_key, value in keras_private.saved_weight_entries(
+        model, skipped
+    ):
         if not hasattr(value, "path") or not hasattr(value, "assign"):
             raise CheckpointError(
-                f"The layer at {self._group_path!r} saves a derived value (a "
+                f"The layer at {group_path!r} saves a derived value (a "
                 f"{type(value).__name__}, not a variable) as {dataset_key!r}; "
                 "it cannot be loaded slice by slice. Load this model with "
                 "keras' model.load_weights instead."
             )
-        self.variables_by_key[dataset_key] = value
+        keys[dataset_key] = value
+    if optimizer is not None:
+        for index, variable in enumerate(optimizer.variables):
+            keys[f"{OPTIMIZER_GROUP}/vars/{index}"] = variable
+    return keys
 
 
 def weight_file_entries(model) -> dict[str, object]:

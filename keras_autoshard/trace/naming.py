@@ -8,13 +8,9 @@ counters as it found them.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 
-from keras.src.backend.common import global_state
-
-_UIDS_ATTRIBUTE = "object_name_uids"
+from keras_autoshard.compat import keras_private
 
 
 @contextlib.contextmanager
@@ -32,12 +28,5 @@ def names_replayed_after():
     model = build_model()   # same variable paths as `reference`
     ```
     """
-    saved = copy.copy(
-        global_state.get_global_attribute(
-            _UIDS_ATTRIBUTE, default=collections.defaultdict(int), set_to_default=True
-        )
-    )
-    try:
+    with keras_private.name_counters_kept():
         yield
-    finally:
-        global_state.set_global_attribute(_UIDS_ATTRIBUTE, saved)

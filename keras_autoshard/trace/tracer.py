@@ -20,16 +20,13 @@ from typing import Any
 import jax
 import keras
 import numpy as np
-from keras.src.backend.common import global_state
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import ModelNotTraceableError
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
 
 logger = logging.getLogger(__name__)
-
-_UNINITIALIZED = "uninitialized_variables"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +73,11 @@ def abstract_variables():
     from Keras's list of variables awaiting initialisation, so no later
     stateless scope initialises (allocates) them.
     """
-    saved = list(global_state.get_global_attribute(_UNINITIALIZED, []) or [])
-    global_state.set_global_attribute(_UNINITIALIZED, [])
-    try:
-        with StatelessScope(initialize_variables=False):
-            yield
-    finally:
-        global_state.set_global_attribute(_UNINITIALIZED, saved)
+    with (
+        keras_private.pending_initializations_set_aside(),
+        keras.StatelessScope(initialize_variables=False),
+    ):
+        yield
 
 
 def build_abstract(builder: Callable[[], keras.Model]) -> keras.Model:
@@ -266,7 +261,13 @@ def _unfiltered_tracebacks():
 
 
 # Source files that are not the model's own code.
-_LIBRARY_PATHS = ("/jax/", "/jaxlib/", "/keras/src/", "/keras_autoshard/", "<")
+_LIBRARY_PATHS = (
+    "/jax/",
+    "/jaxlib/",
+    keras_private.KERAS_SOURCE_PATH_PART,
+    "/keras_autoshard/",
+    "<",
+)
 
 
 def _struct(variable) -> jax.ShapeDtypeStruct:

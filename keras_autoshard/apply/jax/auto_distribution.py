@@ -11,7 +11,6 @@ shard to shard.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
@@ -21,10 +20,6 @@ from collections.abc import Mapping
 import jax
 import keras
 from keras.distribution import TensorLayout
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.backend.common import global_state
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from keras_autoshard.apply.auto_distribution import AutoShardDistribution
 from keras_autoshard.apply.common import slot_owner, slot_prefix
@@ -38,6 +33,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
     trainer_call_asking,
 )
 from keras_autoshard.apply.remat import rematerialize
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.plans.mesh import (
     DATA_AXIS,
@@ -250,12 +246,12 @@ class JaxAutoShardDistribution(AutoShardDistribution):
     def _plan_on_first_batch(self, model: keras.Model, batch) -> None:
         if model in self._planned_models or model in self._planning_models:
             return
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         self._planning_models.add(model)
         try:
             if not model.built:
                 # Build symbolically (shapes only), as Keras's own build does.
-                keras_backend.compute_output_spec(model, _symbolic(x))
+                keras_private.compute_output_spec(model, symbolic_inputs(x))
             self.prepare(model, x)
         finally:
             self._planning_models.discard(model)
@@ -265,8 +261,8 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         """Step functions compiled before the plan output the old shardings:
         remake them once the model's variables hold values again (inside
         `predict` Keras has moved them into its loop state)."""
-        if model not in self._stale_step_functions or any(
-            variable._value is None for variable in model.variables
+        if model not in self._stale_step_functions or not all(
+            keras_private.has_value(variable) for variable in model.variables
         ):
             return
         self._stale_step_functions.discard(model)
@@ -279,8 +275,9 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 make(force=True)
 
     def get_variable_layout(self, variable) -> TensorLayout:
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout
+        layout = keras_private.variable_layout(variable)
+        if layout is not None:
+            return layout
         if self._applied is not None and self._applied.plan.get(
             self._applied.plan_key(variable)
         ):
@@ -302,29 +299,11 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         if call is None or call.method != "predict_on_batch":
             return
         model = call.model
-        if not all(layer.built for layer in model._flatten_layers()):
+        if not all(layer.built for layer in keras_private.all_layers(model)):
             return  # still building: plan on a later call
-        with jax.ensure_compile_time_eval(), _outside_keras_call():
+        with jax.ensure_compile_time_eval(), keras_private.outside_keras_call():
             self._plan_on_first_batch(model, call.batch)
             self._remake_stale_step_functions(model)
-
-
-@contextlib.contextmanager
-def _outside_keras_call():
-    """Step out of the Keras call being traced for the duration of the block
-    (its stateless scope holds the step's tracers as variable values, its
-    call context the layer being called), and back in after: the block sees
-    the variables' real values. Keras's own scope objects are put back as
-    they were."""
-    names = ("stateless_scope", "current_call_ctx")
-    saved = {name: global_state.get_global_attribute(name) for name in names}
-    try:
-        for name in names:
-            global_state.set_global_attribute(name, None)
-        yield
-    finally:
-        for name, value in saved.items():
-            global_state.set_global_attribute(name, value)
 
 
 def multi_process() -> bool:
@@ -379,9 +358,8 @@ def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
 
 
 def move_variable(variable, layout: TensorLayout) -> None:
-    variable._layout = layout
-    if variable._value is not None:
-        variable._direct_assign(variable._value)
+    """Lay `variable` out by `layout`, moving its value device to device."""
+    keras_private.relayout(variable, layout)
 
 
 def _as_mesh_spec(device_mesh) -> MeshSpec | None:
@@ -392,10 +370,9 @@ def _as_mesh_spec(device_mesh) -> MeshSpec | None:
     return MeshSpec(tuple(device_mesh.shape), tuple(device_mesh.axis_names))
 
 
-def _symbolic(x):
-    return tree.map_structure(
-        lambda a: keras_backend.KerasTensor(
-            a.shape, keras_backend.standardize_dtype(a.dtype)
-        ),
+def symbolic_inputs(x):
+    """`KerasTensor`s of the shapes and dtypes of `x` (a nest of arrays)."""
+    return keras.tree.map_structure(
+        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)),
         x,
     )

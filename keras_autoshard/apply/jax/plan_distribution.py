@@ -6,9 +6,9 @@ import logging
 
 import keras
 from keras.distribution import TensorLayout
-from keras.src.distribution.distribution_lib import Distribution
 
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.identity import repeated_key
 from keras_autoshard.plans.sharding_plan import (
     PlanError,
@@ -31,7 +31,7 @@ def require_jax_backend(what: str) -> None:
         )
 
 
-class PlanDistribution(Distribution):
+class PlanDistribution(keras_private.distribution_base()):
     """Apply a `ShardingPlan` through Keras's distribution hooks.
 
     Variables created under `scope()` take their planned layout as they are
@@ -137,8 +137,9 @@ class PlanDistribution(Distribution):
         return repeated_key(variable.path, created.index(id(variable)))
 
     def get_variable_layout(self, variable) -> TensorLayout:
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout
+        layout = keras_private.variable_layout(variable)
+        if layout is not None:
+            return layout
         entry = self._plan.get(self.plan_key(variable))
         shape = tuple(int(s) for s in variable.shape)
         if entry is None:

@@ -21,16 +21,13 @@ from typing import Any
 
 import keras
 from keras.distribution import TensorLayout
-from keras.src import backend as keras_backend
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.trainers.epoch_iterator import EpochIterator
 
 from keras_autoshard.apply.common import first_batch
 from keras_autoshard.apply.jax.auto_distribution import (
     JaxAutoShardDistribution,
     move_variable,
     relayout_model,
+    symbolic_inputs,
 )
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
 from keras_autoshard.apply.jax.plan_distribution import PlanDistribution
@@ -40,6 +37,7 @@ from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelSetup,
     tensor_parallel_setup,
 )
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import ModelNotTraceableError
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
@@ -162,24 +160,16 @@ class JaxTensorParallel(TensorParallel):
         # Build outside this wrapper's name scope: variable paths stay those
         # of the unwrapped model.
         if not self.wrapped_model.built:
-            symbolic = tree.map_structure(
-                lambda a: keras_backend.KerasTensor(
-                    a.shape, keras_backend.standardize_dtype(a.dtype)
-                ),
-                sample_input,
-            )
+            symbolic = symbolic_inputs(sample_input)
             with self._distribution.scope():
-                keras_backend.compute_output_spec(self.wrapped_model, symbolic)
+                keras_private.compute_output_spec(self.wrapped_model, symbolic)
         self.built = True
 
     def _prepare_from(self, x, y=None, sample_weight=None, batch_size=None) -> None:
         if self._distribution.is_planned:
             return
-        iterator = EpochIterator(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False
-        )
-        batch = first_batch(iterator)
-        inputs, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        batch = first_batch(x, y, sample_weight, batch_size)
+        inputs, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         self.prepare(inputs)
 
     def _materialize(self, model: ModelSource) -> keras.Model:
@@ -239,7 +229,7 @@ class JaxTensorParallel(TensorParallel):
             return
         mesh = self._distribution.device_mesh
         for variable in optimizer.variables:
-            if getattr(variable, "_layout", None) is None:
+            if keras_private.variable_layout(variable) is None:
                 move_variable(
                     variable, TensorLayout([None] * len(variable.shape), mesh)
                 )

@@ -4,36 +4,21 @@ batches still to come.
 
 Keras's `Distribution` protocol hands a distribution shapes, never the model
 (see docs/concepts.md, "When a model is planned"). These readers look at the
-call stack: the nearest trainer-method frame (`fit`, `evaluate`, `predict`,
-the `*_on_batch` methods, `_symbolic_build`) gives the model and its epoch
-iterator, the nearest Keras data-distribution frame the batch.
+call stack (`keras_private.trainer_call_on_stack`): the nearest
+trainer-method frame (`fit`, `evaluate`, `predict`, the `*_on_batch`
+methods, `_symbolic_build`) gives the model and its epoch iterator, the
+nearest Keras data-distribution frame the batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import keras
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import BatchSizeError
-
-_TRAINER_METHODS = frozenset(
-    {
-        "_symbolic_build",
-        "fit",
-        "evaluate",
-        "predict",
-        "train_on_batch",
-        "test_on_batch",
-        "predict_on_batch",
-    }
-)
-# Keras functions whose local `data` is the batch being distributed.
-_BATCH_HOLDERS = frozenset({"_distribute_data", "_get_distributed_iterator"})
-# Outer trainer methods, whose locals hold the epoch iterator and the state.
-_ENTRY_METHODS = frozenset({"fit", "evaluate", "predict"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,31 +50,17 @@ def trainer_call_asking() -> TrainerCall | None:
         A `TrainerCall`, or `None` when no trainer method is asking (for
         instance a user calling `get_data_layout` directly).
     """
-    frame = sys._getframe(2)
-    batch = None
-    found = None
-    while frame is not None:
-        name = frame.f_code.co_name
-        if batch is None and name in _BATCH_HOLDERS:
-            batch = frame.f_locals.get("data")
-        if name in _TRAINER_METHODS:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Model) and (found is None or owner is found[0]):
-                found = (owner, name, frame.f_locals)
-        frame = frame.f_back
+    # Start above the distribution method that asked (this function's caller).
+    found = keras_private.trainer_call_on_stack(depth=2)
     if found is None:
         return None
-    model, method, local = found
-    if batch is None and method == "predict_on_batch":
-        batch = (local.get("x"),)  # Keras feeds it to the step undistributed
-    if method not in _ENTRY_METHODS:
-        local = {}
+    model, method, batch, epoch_iterator, state = found
     return TrainerCall(
         model=model,
         batch=batch,
         method=method,
-        epoch_iterator=local.get("epoch_iterator"),
-        state=local.get("state"),
+        epoch_iterator=epoch_iterator,
+        state=state,
     )
 
 
@@ -114,7 +85,7 @@ def check_batch_sizes(
     sizes = {"this batch": data_shape[0] if len(data_shape) else None}
     adapter = getattr(call.epoch_iterator, "data_adapter", None)
     if adapter is not None:
-        steps = getattr(call.epoch_iterator, "_steps_per_epoch", None)
+        steps = keras_private.epoch_steps(call.epoch_iterator)
         sizes["the batch size"] = _known(lambda: adapter.batch_size)
         partial = _known(lambda: adapter.has_partial_batch) and _known(
             lambda: adapter.partial_batch_size
@@ -159,5 +130,5 @@ def _restore_loop_state(call: TrainerCall) -> None:
     )
     for variables, values in zip(groups, call.state):
         for variable, value in zip(variables, values):
-            if variable._value is None:
+            if not keras_private.has_value(variable):
                 variable.assign(value)

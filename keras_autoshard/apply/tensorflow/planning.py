@@ -14,7 +14,6 @@ import types
 from collections.abc import Mapping
 
 import keras
-from keras.src import tree
 
 from keras_autoshard.planner.remote import (
     plan_from_worker_result,
@@ -67,7 +66,7 @@ def plan_for_tensorflow(
 
 def input_shapes(sample_input):
     """Shapes and Keras dtype names of a batch (TensorFlow dtypes included)."""
-    return tree.map_structure(
+    return keras.tree.map_structure(
         lambda value: types.SimpleNamespace(
             shape=tuple(int(s) for s in value.shape),
             dtype=keras.backend.standardize_dtype(value.dtype),

@@ -12,8 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.trainers.epoch_iterator import EpochIterator
 
 from keras_autoshard.apply.common import first_batch
 from keras_autoshard.apply.tensor_parallel import TensorParallel
@@ -31,6 +29,7 @@ from keras_autoshard.apply.tensorflow.data_parallel import (
     cuts_asked,
     data_parallel_strategy,
 )
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
@@ -167,11 +166,8 @@ class TensorFlowTensorParallel(TensorParallel):
     def _prepare_from(self, x, y=None, sample_weight=None, batch_size=None) -> None:
         if self._plan is not None:
             return
-        iterator = EpochIterator(
-            x=x, y=y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False
-        )
-        inputs, _, _ = data_adapter_utils.unpack_x_y_sample_weight(
-            first_batch(iterator)
+        inputs, _, _ = keras.utils.unpack_x_y_sample_weight(
+            first_batch(x, y, sample_weight, batch_size)
         )
         self.prepare(inputs)
 
@@ -219,7 +215,7 @@ class TensorFlowTensorParallel(TensorParallel):
         (a TensorFlow optimizer keeps the strategy current at its creation)."""
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             return optimizer
-        if getattr(optimizer, "_distribution_strategy", None) is self.strategy:
+        if keras_private.optimizer_distribution_strategy(optimizer) is self.strategy:
             return optimizer
         if optimizer.built:
             raise TensorParallelError(

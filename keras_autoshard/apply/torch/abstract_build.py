@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 
+from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import TensorParallelError
 
 PRESET_CONFIG_FILE = "config.json"
@@ -66,12 +67,13 @@ def build_abstract(source) -> tuple[keras.Model, str | None]:
     [v.path for v in model.variables if not is_materialised(v)]  # all
     ```
     """
-    from keras.src.backend.common.stateless_scope import StatelessScope
-
     weights = None
     if isinstance(source, (str, os.PathLike)):
         source, weights = _preset_source(os.fspath(source))
-    with keras.device("meta"), StatelessScope(initialize_variables=False) as scope:
+    with (
+        keras.device("meta"),
+        keras.StatelessScope(initialize_variables=False) as scope,
+    ):
         if isinstance(source, Mapping):
             model = keras.saving.deserialize_keras_object(dict(source))
         else:
@@ -104,7 +106,7 @@ def build_abstract(source) -> tuple[keras.Model, str | None]:
 
 def is_materialised(variable) -> bool:
     """Whether a Keras variable holds a value (not deferred)."""
-    return variable._value is not None
+    return keras_private.has_value(variable)
 
 
 def initial_value(variable, index: int, seed: int):
@@ -125,7 +127,8 @@ def initial_value(variable, index: int, seed: int):
         random.seed(seed * 1_000_003 + index)
         torch.manual_seed(seed * 1_000_003 + index)
         try:
-            value = variable._initializer(variable.shape, dtype=variable.dtype)
+            initializer = keras_private.variable_initializer(variable)
+            value = initializer(variable.shape, dtype=variable.dtype)
         finally:
             random.setstate(state)
     return torch.as_tensor(value)
@@ -135,14 +138,7 @@ def mark_materialised(variables) -> None:
     """Drop materialised variables from Keras's list of deferred ones (Keras
     would otherwise initialise them again, over their shards, the next time
     it leaves a stateless scope)."""
-    from keras.src.backend.common import global_state
-
-    pending = global_state.get_global_attribute("uninitialized_variables")
-    done = {id(v) for v in variables}
-    for variable in variables:
-        variable._initializer = None
-    if pending:
-        pending[:] = [v for v in pending if id(v) not in done]
+    keras_private.forget_deferred_initialization(variables)
 
 
 def _preset_source(directory: str) -> tuple[Callable[[], Any] | Mapping, str | None]:

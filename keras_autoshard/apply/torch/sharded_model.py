@@ -14,8 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import keras
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 
 from keras_autoshard.apply.torch.dtensor_layout import batch_placements
 from keras_autoshard.apply.torch.sharded_state import (
@@ -25,6 +24,7 @@ from keras_autoshard.apply.torch.sharded_state import (
     shard_optimizer_variables,
 )
 from keras_autoshard.apply.torch.weights_file import load_weights_local
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
@@ -112,19 +112,19 @@ class TorchShardedModel(keras.Model):
         return tree.map_structure(_to_replicated_plain, self._global_inputs(values))
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        keras_private.symbolic_build(super(), data_batch=data_batch, iterator=iterator)
         if self._sharding is not None and self.optimizer is not None:
             shard_optimizer_variables(self)
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with _implicit_replication():
             return super().train_step(
                 (x, self.gather_batch(y), self.gather_batch(sample_weight))
             )
 
     def test_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with _implicit_replication():
             return super().test_step(
                 (x, self.gather_batch(y), self.gather_batch(sample_weight))

@@ -20,6 +20,7 @@ from keras_autoshard.apply.torch.abstract_build import (
     mark_materialised,
 )
 from keras_autoshard.apply.torch.dtensor_layout import placements_for
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 from keras_autoshard.runtime.torch_shards import local_slice_index
 
@@ -85,8 +86,8 @@ def shard_model_variables(
                 del value
             else:
                 local = _empty_block(variable, device_mesh, placements, keep_whole)
-            variable._value = torch.nn.Parameter(
-                local, requires_grad=variable.trainable
+            keras_private.set_value(
+                variable, torch.nn.Parameter(local, requires_grad=variable.trainable)
             )
             materialised.append(variable)
             continue
@@ -94,18 +95,19 @@ def shard_model_variables(
             continue
         value = variable.value.detach()
         sharded = distribute_tensor(value, device_mesh, placements)
-        variable._value = torch.nn.Parameter(sharded, requires_grad=variable.trainable)
+        keras_private.set_value(
+            variable, torch.nn.Parameter(sharded, requires_grad=variable.trainable)
+        )
     mark_materialised(materialised)
 
 
 def _empty_block(variable, device_mesh, placements, keep_whole: bool):
     """Uninitialised storage for this rank's block of a deferred variable."""
     import torch
-    from keras.src.backend.torch.core import to_torch_dtype
     from torch.distributed.tensor import empty as dtensor_empty
 
     shape = tuple(variable.shape)
-    dtype = to_torch_dtype(variable.dtype)
+    dtype = keras_private.to_torch_dtype(variable.dtype)
     if keep_whole:
         return torch.empty(shape, dtype=dtype, device=device_mesh.device_type)
     return dtensor_empty(
@@ -152,14 +154,17 @@ def shard_optimizer_variables(model: keras.Model) -> None:
         if owner is None or isinstance(slot.value, DTensor):
             continue
         parameter_value = owner[1]
-        slot._value = torch.nn.Parameter(
-            dtensor_zeros(
-                tuple(slot.shape),
-                dtype=slot.value.dtype,
-                device_mesh=parameter_value.device_mesh,
-                placements=parameter_value.placements,
+        keras_private.set_value(
+            slot,
+            torch.nn.Parameter(
+                dtensor_zeros(
+                    tuple(slot.shape),
+                    dtype=slot.value.dtype,
+                    device_mesh=parameter_value.device_mesh,
+                    placements=parameter_value.placements,
+                ),
+                requires_grad=False,
             ),
-            requires_grad=False,
         )
 
 

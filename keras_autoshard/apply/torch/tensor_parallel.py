@@ -10,10 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 
-from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.common import first_batch_of
 from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
 from keras_autoshard.apply.torch.abstract_build import (
@@ -27,6 +26,7 @@ from keras_autoshard.apply.torch.weights_file import (
     load_weights_local,
     save_weights_gathered,
 )
+from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
@@ -181,10 +181,10 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         if not self.is_planned:
-            batch = data_batch if data_batch is not None else first_batch(iterator)
-            x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            batch = data_batch if data_batch is not None else first_batch_of(iterator)
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
             self.prepare(x)
-        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        keras_private.symbolic_build(super(), data_batch=data_batch, iterator=iterator)
 
     def predict(self, x, batch_size=None, *args, **kwargs):
         if not self.is_planned:

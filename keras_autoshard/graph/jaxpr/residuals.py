@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_autoshard.compat import jax_private
+
 logger = logging.getLogger(__name__)
 
 # Primitives whose bodies the walker walks: their equations carry the
@@ -176,8 +178,6 @@ def _bind_equation(eqn):
 
 
 def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
-    from jax._src.ad_checkpoint import saved_residuals
-
     structs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in in_avals]
 
     def alone(*args):
@@ -189,7 +189,7 @@ def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
 
     try:
         out_avals = jax.eval_shape(alone, *structs)
-        found = saved_residuals(alone, *structs)
+        found = jax_private.saved_residuals(alone, *structs)
     except Exception as error:  # noqa: BLE001 - any primitive JAX cannot bind alone
         logger.debug("Residuals of %s unknown (%s); operands kept.", primitive, error)
         return tuple(

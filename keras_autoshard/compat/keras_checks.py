@@ -1,0 +1,322 @@
+"""The checks behind `keras_private.missing_privates()`: one per Keras
+private `keras_private` wraps, each a function that is true while the
+installed Keras still has it (an exception counts as missing).
+
+Signatures and frame locals are read with `inspect` and code objects; the
+PyTorch and TensorFlow backends' files are read as text, so neither is
+imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import pathlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+def missing(private: ModuleType) -> list[str]:
+    """Readable names of the checked Keras privates the installed Keras
+    lacks; the JAX trainer's are checked only when JAX is installed.
+
+    Args:
+        private: The `keras_private` module (handed in, not imported: it
+            imports this module), whose wrappers some checks run.
+    """
+    checks = list(_CHECKS)
+    if importlib.util.find_spec("jax") is not None:
+        checks += _JAX_TRAINER_CHECKS
+    return [name for name, check in checks if not _holds(check, private)]
+
+
+def _holds(check: Callable[[ModuleType], bool], private: ModuleType) -> bool:
+    try:
+        return bool(check(private))
+    except Exception:  # noqa: BLE001 - a check that cannot run: the private is gone
+        return False
+
+
+def _attribute(module: str, path: str) -> Any:
+    value = importlib.import_module(module)
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _has_parameters(module: str, path: str, *names: str) -> bool:
+    parameters = inspect.signature(_attribute(module, path)).parameters
+    return all(name in parameters for name in names)
+
+
+def _local_names(function) -> set[str]:
+    """Argument and local variable names of `function` (under Keras's
+    traceback-filtering wrapper, if any)."""
+    code = inspect.unwrap(function).__code__
+    return set(code.co_varnames) | set(code.co_cellvars)
+
+
+def _source_has(relative_path: str, *texts: str) -> bool:
+    """Whether Keras's source file `keras/src/<relative_path>` holds every
+    text (read without importing it: torch and tensorflow stay unimported)."""
+    spec = importlib.util.find_spec("keras.src")
+    for location in spec.submodule_search_locations:
+        path = pathlib.Path(location) / relative_path
+        if path.is_file():
+            source = path.read_text()
+            return all(text in source for text in texts)
+    return False
+
+
+def _module_source_has(module: str, *texts: str) -> bool:
+    source = inspect.getsource(importlib.import_module(module))
+    return all(text in source for text in texts)
+
+
+def _variable_has(private: ModuleType, *names: str) -> bool:
+    import keras
+
+    with private.name_counters_kept():
+        variable = keras.Variable(0.0, name="keras_autoshard_compat_check")
+    return all(hasattr(variable, name) for name in names)
+
+
+def _stateless_scope_has(*names: str) -> bool:
+    import keras
+
+    scope = keras.StatelessScope()
+    return all(hasattr(scope, name) for name in names)
+
+
+def _first_epoch_batch_works(private: ModuleType) -> bool:
+    import numpy as np
+
+    x, y = np.zeros((4, 2), "float32"), np.zeros((4,), "float32")
+    batch = private.first_epoch_batch(x, y, batch_size=2)
+    return tuple(batch[0].shape) == (2, 2) and tuple(batch[1].shape) == (2,)
+
+
+def _jax_trainer_class() -> type:
+    module = importlib.import_module("keras.src.backend.jax.trainer")
+    # keras 3.15 names it JAXTrainer, keras 3.16 Trainer.
+    return getattr(module, "JAXTrainer", None) or module.Trainer
+
+
+def _jax_variable_class() -> type:
+    # keras 3.16 moved the JAX backend's core module into `ops/`.
+    try:
+        module = importlib.import_module(f"{_BACKEND}.jax.ops.core")
+    except ImportError:
+        module = importlib.import_module(f"{_BACKEND}.jax.core")
+    return module.Variable
+
+
+def _batch_frames_hold_data(_) -> bool:
+    module = importlib.import_module("keras.src.backend.jax.trainer")
+    if "data" not in _local_names(module._distribute_data):
+        return False
+    iterator_class = module.JAXEpochIterator
+    if hasattr(iterator_class, "_get_distributed_iterator"):  # keras 3.15
+        return "data" in _local_names(iterator_class._get_distributed_iterator)
+    # keras 3.16: `_distribute_data` asks the layouts itself.
+    return "get_layout" in inspect.getsource(module._distribute_data)
+
+
+def _entry_methods_hold_loop_locals(private: ModuleType) -> bool:
+    trainer = _jax_trainer_class()
+    return all(
+        {"epoch_iterator", "state"} <= _local_names(getattr(trainer, name))
+        for name in private.ENTRY_METHODS
+    ) and "x" in _local_names(trainer.predict_on_batch)
+
+
+_BACKEND = "keras.src.backend"
+_GLOBAL_STATE = "keras.src.backend.common.global_state"
+_SAVING = "keras.src.saving.saving_lib"
+
+_CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
+    (
+        "keras.src.distribution.distribution_lib.Distribution",
+        lambda _: _has_parameters(
+            "keras.src.distribution.distribution_lib",
+            "Distribution.__init__",
+            "device_mesh",
+            "batch_dim_name",
+            "auto_shard_dataset",
+        ),
+    ),
+    (
+        f"{_BACKEND}.compute_output_spec",
+        lambda _: _attribute(_BACKEND, "compute_output_spec"),
+    ),
+    (
+        f"{_BACKEND}.common.stateless_scope.get_stateless_scope",
+        lambda _: _attribute(
+            f"{_BACKEND}.common.stateless_scope", "get_stateless_scope"
+        ),
+    ),
+    (
+        "keras.StatelessScope().state_mapping / .losses",
+        lambda _: _stateless_scope_has("state_mapping", "losses"),
+    ),
+    (
+        f"{_GLOBAL_STATE}.get_global_attribute / set_global_attribute",
+        lambda _: (
+            _has_parameters(
+                _GLOBAL_STATE,
+                "get_global_attribute",
+                "name",
+                "default",
+                "set_to_default",
+            )
+            and _attribute(_GLOBAL_STATE, "set_global_attribute")
+        ),
+    ),
+    (
+        "global attribute 'object_name_uids' (keras.src.utils.naming)",
+        lambda private: _module_source_has(
+            "keras.src.utils.naming", f'"{private.NAME_COUNTERS_ATTRIBUTE}"'
+        ),
+    ),
+    (
+        "global attribute 'uninitialized_variables' (Variable)",
+        lambda private: _module_source_has(
+            f"{_BACKEND}.common.variables",
+            f'"{private.UNINITIALIZED_VARIABLES_ATTRIBUTE}"',
+        ),
+    ),
+    (
+        "global attributes 'stateless_scope', 'current_call_ctx'",
+        lambda private: all(
+            _module_source_has(module, f'"{name}"')
+            for module, name in zip(
+                (f"{_BACKEND}.common.stateless_scope", "keras.src.layers.layer"),
+                private.CALL_SCOPE_ATTRIBUTES,
+            )
+        ),
+    ),
+    (
+        "Variable._value / _layout / _initializer / _initialize / _deferred_initialize",
+        lambda private: _variable_has(
+            private,
+            "_value",
+            "_layout",
+            "_initializer",
+            "_initialize",
+            "_deferred_initialize",
+        ),
+    ),
+    (
+        "Layer._flatten_layers(include_self)",
+        lambda _: _has_parameters("keras", "Layer._flatten_layers", "include_self"),
+    ),
+    (
+        "Trainer._symbolic_build(iterator, data_batch)",
+        lambda _: _has_parameters(
+            "keras", "Model._symbolic_build", "iterator", "data_batch"
+        ),
+    ),
+    (
+        "Model._create_nested_dict(variables, value_format)",
+        lambda _: _has_parameters(
+            "keras", "Model._create_nested_dict", "variables", "value_format"
+        ),
+    ),
+    (
+        "keras.src.trainers.epoch_iterator.EpochIterator (first batch)",
+        _first_epoch_batch_works,
+    ),
+    (
+        f"{_SAVING}._save_state",
+        lambda _: _has_parameters(
+            _SAVING,
+            "_save_state",
+            "saveable",
+            "weights_store",
+            "assets_store",
+            "inner_path",
+            "visited_saveables",
+        ),
+    ),
+    (
+        f"{_SAVING}.H5IOStore.make(path, metadata)",
+        lambda _: _has_parameters(_SAVING, "H5IOStore.make", "path", "metadata"),
+    ),
+    (
+        f"{_SAVING}._model_from_config",
+        lambda _: _has_parameters(
+            _SAVING, "_model_from_config", "config_json", "custom_objects", "compile"
+        ),
+    ),
+    (
+        f"{_SAVING}._serialize_model_as_json",
+        lambda _: _attribute(_SAVING, "_serialize_model_as_json"),
+    ),
+    (
+        "OrbaxCheckpoint.checkpointer.save_checkpointables",
+        lambda _: _module_source_has(
+            "keras.src.callbacks.orbax_checkpoint",
+            "self.checkpointer.save_checkpointables(",
+        ),
+    ),
+    (
+        "keras.src.backend.torch(.ops).core.to_torch_dtype",
+        lambda _: (
+            _source_has("backend/torch/ops/core.py", "def to_torch_dtype(")
+            or _source_has("backend/torch/core.py", "def to_torch_dtype(")
+        ),
+    ),
+    (
+        "TFOptimizer._distribution_strategy",
+        lambda _: _source_has(
+            "backend/tensorflow/optimizer.py", "self._distribution_strategy ="
+        ),
+    ),
+]
+
+_JAX_TRAINER = "keras.src.backend.jax.trainer"
+_JAX_TRAINER_CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
+    (
+        "JAX Variable._initialize_layout / _direct_assign",
+        lambda _: all(
+            callable(getattr(_jax_variable_class(), name))
+            for name in ("_initialize_layout", "_direct_assign")
+        ),
+    ),
+    (
+        f"{_JAX_TRAINER}._distribute_data(data)",
+        lambda _: _has_parameters(_JAX_TRAINER, "_distribute_data", "data"),
+    ),
+    (
+        "the JAX trainer's batch frames (local 'data' of _distribute_data or "
+        "_get_distributed_iterator)",
+        _batch_frames_hold_data,
+    ),
+    (
+        "locals 'epoch_iterator', 'state' of JAX fit/evaluate/predict, 'x' of "
+        "predict_on_batch",
+        _entry_methods_hold_loop_locals,
+    ),
+    (
+        "JAX trainer _get_jax_state / _get_state_sharding_spec",
+        lambda _: (
+            all(
+                name
+                in inspect.signature(_jax_trainer_class()._get_jax_state).parameters
+                for name in (
+                    "trainable_variables",
+                    "non_trainable_variables",
+                    "optimizer_variables",
+                    "metrics_variables",
+                )
+            )
+            and callable(_jax_trainer_class()._get_state_sharding_spec)
+        ),
+    ),
+    (
+        "keras.src.backend.jax.distribution_lib.initialize_rng",
+        lambda _: _attribute(f"{_BACKEND}.jax.distribution_lib", "initialize_rng"),
+    ),
+]
