@@ -186,6 +186,17 @@ def test_a_partial_last_batch_is_a_clear_error_and_the_model_still_trains(
     assert dist.plan.batch_axis == "batch"
 
 
+def test_steps_per_epoch_that_stops_before_the_partial_last_batch_trains():
+    # The fix the error above names: stop before the last batch.
+    x, y = _mlp_data(10)
+    dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)
+    with dist.scope():
+        model = _mlp()
+        model.compile(optimizer="adam", loss="mse")
+        history = model.fit(x, y, batch_size=8, steps_per_epoch=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
 def test_a_first_batch_that_does_not_divide_the_data_axis_is_a_clear_error():
     x, y = _mlp_data(12)
     dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)

@@ -229,6 +229,12 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
         _first_epoch_batch_works,
     ),
     (
+        "EpochIterator.steps_per_epoch",
+        lambda _: _module_source_has(
+            "keras.src.trainers.epoch_iterator", "self.steps_per_epoch ="
+        ),
+    ),
+    (
         f"{_SAVING}._save_state",
         lambda _: _has_parameters(
             _SAVING,

@@ -158,14 +158,14 @@ def first_batch_of(epoch_iterator):
 
 
 def epoch_steps(epoch_iterator) -> int | None:
-    """The steps per epoch an `EpochIterator` was given, `None` when it runs
-    to the end of the data.
+    """The steps per epoch an `EpochIterator` was given (`steps_per_epoch`),
+    `None` when it runs to the end of the data.
 
-    Private: the `_steps_per_epoch` attribute of Keras's `EpochIterator`.
+    Private: the `steps_per_epoch` attribute of Keras's `EpochIterator`.
     If it changes: a `fit` stopped before a last partial batch by
     `steps_per_epoch` is refused as if it reached that batch.
     """
-    return getattr(epoch_iterator, "_steps_per_epoch", None)
+    return getattr(epoch_iterator, "steps_per_epoch", None)
 
 
 def trainer_call_on_stack(depth: int) -> tuple | None:
