@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+import keras_autoshard
 from keras_autoshard.cli.model_sources import parse_byte_size, parse_mesh_shape
 from keras_autoshard.errors import AutoShardError
 from keras_autoshard.plans.hardware import PROFILES
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         "accelerator (sets XLA_FLAGS before JAX starts; default 8)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {keras_autoshard.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     model_options = _model_options()
     plan = commands.add_parser(
