@@ -197,6 +197,19 @@ def test_steps_per_epoch_that_stops_before_the_partial_last_batch_trains():
     assert np.isfinite(history.history["loss"]).all()
 
 
+def test_several_steps_per_execution_plan_on_one_batch_and_train():
+    # keras 3.16 distributes the batches of one execution stacked together.
+    x, y = _mlp_data(32)
+    dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)
+    with dist.scope():
+        model = _mlp()
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+        history = model.fit(x, y, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert dist.plan.batch_axis == "batch"
+    assert dist.plan.variable("up/kernel").shape == (16, 32)
+
+
 def test_a_first_batch_that_does_not_divide_the_data_axis_is_a_clear_error():
     x, y = _mlp_data(12)
     dist = ka.AutoShardDistribution(device_mesh=MESH_4x2)

@@ -120,8 +120,11 @@ def _batch_frames_hold_data(_) -> bool:
     iterator_class = module.JAXEpochIterator
     if hasattr(iterator_class, "_get_distributed_iterator"):  # keras 3.15
         return "data" in _local_names(iterator_class._get_distributed_iterator)
-    # keras 3.16: `_distribute_data` asks the layouts itself.
-    return "get_layout" in inspect.getsource(module._distribute_data)
+    # keras 3.16: `_distribute_data` asks the layouts itself, and says
+    # whether `data` stacks the batches of several steps.
+    return "get_layout" in inspect.getsource(
+        module._distribute_data
+    ) and "is_super_batch" in _local_names(module._distribute_data)
 
 
 def _entry_methods_hold_loop_locals(private: ModuleType) -> bool:
@@ -296,8 +299,8 @@ _JAX_TRAINER_CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
         lambda _: _has_parameters(_JAX_TRAINER, "_distribute_data", "data"),
     ),
     (
-        "the JAX trainer's batch frames (local 'data' of _distribute_data or "
-        "_get_distributed_iterator)",
+        "the JAX trainer's batch frames (locals 'data' of _distribute_data or "
+        "_get_distributed_iterator, 'is_super_batch' of _distribute_data)",
         _batch_frames_hold_data,
     ),
     (

@@ -183,8 +183,9 @@ def trainer_call_on_stack(depth: int) -> tuple | None:
 
     Private: `sys._getframe` and the frame locals of Keras's JAX trainer
     (`data` of `_get_distributed_iterator` on keras 3.15 and of
-    `_distribute_data` on keras 3.16; `epoch_iterator` and `state` of
-    `fit`/`evaluate`/`predict`; `x` of `predict_on_batch`).
+    `_distribute_data` on keras 3.16, where with `steps_per_execution > 1`
+    it holds a stack of batches and the first is returned; `epoch_iterator`
+    and `state` of `fit`/`evaluate`/`predict`; `x` of `predict_on_batch`).
     If they change: `AutoShardDistribution` cannot plan on the first batch
     (use `prepare(model, sample_input)`), and batch sizes are not checked
     before the step.
@@ -198,6 +199,10 @@ def trainer_call_on_stack(depth: int) -> tuple | None:
         name = frame.f_code.co_name
         if batch is None and name in _BATCH_HOLDERS:
             batch = frame.f_locals.get("data")
+            if frame.f_locals.get("is_super_batch") and batch is not None:
+                batch = keras.tree.map_structure(
+                    lambda stacked: None if stacked is None else stacked[0], batch
+                )
         if name in _TRAINER_METHODS:
             owner = frame.f_locals.get("self")
             if isinstance(owner, keras.Model) and (found is None or owner is found[0]):
