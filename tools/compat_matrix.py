@@ -10,7 +10,8 @@ private seam of Keras and JAX the library uses.
 Each set is a fresh virtual environment under `.matrix/<set>`. The user's
 stack (JAX, PyTorch) is installed first, as it would already be; then the
 wheel with its extras, and the set records whether that changed the user's
-stack. The tests run from this checkout against that environment. Results go
+stack. The tests run from a copy of this checkout (taken when the run starts)
+against that environment. Results go
 to `.matrix/<set>/result.json` and the table to `COMPATIBILITY.md`.
 
 Interpreters: `--python VERSION=PATH`, else the environment variable
@@ -191,12 +192,27 @@ def find_python(version: str, overrides: dict[str, str]) -> str:
     )
 
 
-def build_wheel() -> str:
+def snapshot_checkout() -> str:
+    """A copy of the working tree under `.matrix/checkout`: the tests run from
+    it, so edits made while the run goes on do not reach it."""
+    copy = os.path.join(MATRIX_DIR, "checkout")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(
+        REPOSITORY,
+        copy,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", ".matrix", "build", "*.egg-info", "__pycache__"
+        ),
+    )
+    return copy
+
+
+def build_wheel(checkout: str) -> str:
     """Build the wheel (and sdist) of this checkout; returns the wheel's path."""
     dist = os.path.join(MATRIX_DIR, "dist")
     shutil.rmtree(dist, ignore_errors=True)
     subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, REPOSITORY],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, checkout],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -222,7 +238,7 @@ def installed_versions(python: str) -> dict[str, str]:
     return {item["name"].lower(): item["version"] for item in json.loads(listing)}
 
 
-def run_set(matrix_set: MatrixSet, interpreter: str, wheel: str) -> dict:
+def run_set(matrix_set: MatrixSet, interpreter: str, wheel: str, checkout: str) -> dict:
     """Create the set's environment, install, run the subset; returns the result."""
     folder = os.path.join(MATRIX_DIR, matrix_set.name)
     shutil.rmtree(folder, ignore_errors=True)
@@ -269,14 +285,14 @@ def run_set(matrix_set: MatrixSet, interpreter: str, wheel: str) -> dict:
         for name in ("jax", "jaxlib", "torch")
         if name in before and before[name] != after.get(name)
     }
-    result.update(run_tests(python, folder, env))
+    result.update(run_tests(python, folder, env, checkout))
     with open(os.path.join(folder, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
 
 
-def run_tests(python: str, folder: str, env: dict[str, str]) -> dict:
-    """Run the subset from this checkout in the set's environment."""
+def run_tests(python: str, folder: str, env: dict[str, str], checkout: str) -> dict:
+    """Run the subset from the checkout's copy in the set's environment."""
     env = dict(env, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     junit = os.path.join(folder, "junit.xml")
     started = time.time()
@@ -296,7 +312,7 @@ def run_tests(python: str, folder: str, env: dict[str, str]) -> dict:
                 f"--junitxml={junit}",
                 *TEST_SUBSET,
             ],
-            cwd=REPOSITORY,
+            cwd=checkout,
             env=env,
             stdout=log,
             stderr=log,
@@ -396,10 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [sets[name] for name in (args.sets or sets)]
         interpreters = {s.name: find_python(s.python, overrides) for s in chosen}
         os.makedirs(MATRIX_DIR, exist_ok=True)
-        wheel = build_wheel()
+        checkout = snapshot_checkout()
+        wheel = build_wheel(checkout)
         for matrix_set in chosen:
             print(f"{matrix_set.name}: {interpreters[matrix_set.name]}", flush=True)
-            result = run_set(matrix_set, interpreters[matrix_set.name], wheel)
+            result = run_set(matrix_set, interpreters[matrix_set.name], wheel, checkout)
             print(
                 f"  {result['passed']} passed, {result['failed']} failed "
                 f"(install {result['install_s']} s, tests {result['tests_s']} s)",
