@@ -51,6 +51,10 @@ class DeviceSetupError(AutoShardError, RuntimeError):
     """Simulated devices can no longer be configured as asked."""
 
 
+class GpuCompilerMissingError(DeviceSetupError):
+    """Compiling for a GPU target needs JAX's CUDA plugin, which is missing."""
+
+
 class ClusterError(AutoShardError, RuntimeError):
     """The multi-process set-up is incomplete or contradicts itself."""
 

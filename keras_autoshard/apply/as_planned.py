@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import keras
 
 from keras_autoshard.apply.remat import rematerialize
@@ -41,11 +42,22 @@ def compile_as_planned(
     ```
     """
     rematerialize(model, sharding_plan)
+    model.compile(optimizer=planned_optimizer(sharding_plan), loss=loss)
+
+
+def planned_optimizer(sharding_plan: ShardingPlan) -> keras.optimizers.Optimizer:
+    """Adam, accumulating gradients over the plan's micro-batches.
+
+    Args:
+        sharding_plan: The plan.
+
+    Returns:
+        An unbuilt `keras.optimizers.Adam`.
+    """
     steps = sharding_plan.gradient_accumulation_steps
-    optimizer = keras.optimizers.Adam(
+    return keras.optimizers.Adam(
         gradient_accumulation_steps=steps if steps > 1 else None
     )
-    model.compile(optimizer=optimizer, loss=loss)
 
 
 def first_micro_batch(sharding_plan: ShardingPlan, data: Any) -> Any:
@@ -54,13 +66,23 @@ def first_micro_batch(sharding_plan: ShardingPlan, data: Any) -> Any:
 
     Args:
         sharding_plan: The plan.
-        data: A structure of arrays with the global batch first.
+        data: A structure of arrays (or `jax.ShapeDtypeStruct`s) with the
+            global batch first.
 
     Returns:
         The same structure, each array's first `1/steps` of the batch.
     """
     parts = sharding_plan.gradient_accumulation_steps
-    return keras.tree.map_structure(lambda a: a[: a.shape[0] // parts], data)
+
+    def first(array):
+        if array is None:
+            return None
+        if isinstance(array, jax.ShapeDtypeStruct):
+            shape = (array.shape[0] // parts, *array.shape[1:])
+            return jax.ShapeDtypeStruct(shape, array.dtype)
+        return array[: array.shape[0] // parts]
+
+    return keras.tree.map_structure(first, data)
 
 
 def compiler_options_for(sharding_plan: ShardingPlan) -> dict[str, str] | None:

@@ -42,6 +42,9 @@ class HardwareProfile:
             devices of other nodes or slices.
         devices_per_node: Devices in one node (GPUs) or one slice (TPUs).
         source: Where the figures come from.
+        gpu_target: For a GPU, the file in `keras_autoshard/runtime/gpu_targets/`
+            that describes it to XLA:GPU, so plans compile for it without a
+            device (`keras-autoshard inspect --target NAME`); `None` if none.
 
     Example:
 
@@ -59,6 +62,7 @@ class HardwareProfile:
     inter_node_bytes_per_s: float
     devices_per_node: int
     source: str = ""
+    gpu_target: str | None = None
 
     @property
     def reserve_bytes(self) -> int:
@@ -84,6 +88,20 @@ PROFILES = {
             8,
             "NVIDIA H100 SXM: 80 GB HBM3, 989 TFLOP/s dense BF16, NVLink 900 "
             "GB/s (both directions), one 400 Gb/s InfiniBand NIC per GPU",
+            "nvidia_h100_80gb.textproto",
+        ),
+        HardwareProfile(
+            "h200",
+            "gpu",
+            150_109_880_320,
+            989e12,
+            450 * GB,
+            50 * GB,
+            8,
+            "NVIDIA H200 SXM: 141 GB HBM3e (150,109,880,320 bytes as the device "
+            "reports them), 989 TFLOP/s dense BF16, NVLink 900 GB/s (both "
+            "directions), one 400 Gb/s InfiniBand NIC per GPU",
+            "nvidia_h200.textproto",
         ),
         HardwareProfile(
             "a100-40gb",
@@ -95,6 +113,7 @@ PROFILES = {
             8,
             "NVIDIA A100 SXM 40 GB: 312 TFLOP/s dense BF16, NVLink 600 GB/s "
             "(both directions), one 200 Gb/s InfiniBand NIC per GPU",
+            "nvidia_a100_40gb.textproto",
         ),
         HardwareProfile(
             "a100-80gb",
@@ -105,6 +124,7 @@ PROFILES = {
             25 * GB,
             8,
             "NVIDIA A100 SXM 80 GB: as A100-40GB with 80 GB HBM2e",
+            "nvidia_a100_80gb.textproto",
         ),
         HardwareProfile(
             "tpu-v5e",

@@ -101,8 +101,8 @@ def inspect_compiled(
         optimizer_state=tuple(
             _variable_shards(v, device_ids) for v in model.optimizer.variables
         ),
-        train_step=_step_report("train_step", train, mesh),
-        forward_step=_step_report("forward_step", forward, mesh),
+        train_step=step_report("train_step", train, mesh),
+        forward_step=step_report("forward_step", forward, mesh),
     )
 
 
@@ -140,7 +140,7 @@ def inspect_forward(model, distribution, x, compiler_options=None) -> CompiledSt
     mesh = MeshSpec(
         tuple(distribution.device_mesh.shape), distribution.device_mesh.axis_names
     )
-    return _step_report("forward_step", forward, mesh)
+    return step_report("forward_step", forward, mesh)
 
 
 # An HLO instruction that is a matrix product: `%dot.3 = f32[..] dot(...)`.
@@ -207,7 +207,18 @@ def _compile_forward_step(model, x, compiler_options=None):
     return step.lower(state, (x,)).compile(compiler_options=compiler_options)
 
 
-def _step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
+def step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
+    """A compiled step as plain data: its collectives (per mesh axis), XLA's
+    memory analysis, its matrix products and its optimized HLO.
+
+    Args:
+        name: The step's name (`"train_step"`).
+        compiled: A `jax.stages.Compiled`.
+        mesh: The mesh it was compiled for.
+
+    Returns:
+        A `CompiledStep`.
+    """
     hlo_text = compiled.as_text()
     collectives = parse_collectives(hlo_text, mesh.shape, mesh.axis_names)
     analysis = compiled.memory_analysis()
