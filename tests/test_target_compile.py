@@ -4,7 +4,6 @@ from shapes with the plan's shardings over a topology of the target's GPUs
 (`apply/jax/target_compile.py`, `runtime/gpu_targets/`)."""
 
 import jax
-import keras
 import keras_hub
 import numpy as np
 import pytest
@@ -74,7 +73,9 @@ def test_without_the_cuda_plugin_the_error_names_the_extra(monkeypatch):
         "find_spec",
         lambda name: None if name.startswith("jax_plugins") else real_find_spec(name),
     )
-    with pytest.raises(GpuCompilerMissingError, match=r"keras-autoshard\[gpu-compile\]"):
+    with pytest.raises(
+        GpuCompilerMissingError, match=r"keras-autoshard\[gpu-compile\]"
+    ):
         gpu_targets.gpu_topology("h100-80gb", 8)
 
 
