@@ -98,3 +98,21 @@ def test_rematerialize_request_is_followed_and_unknown_layers_are_named():
     mlp, mlp_batch = zoo.ZOO["mlp"]
     with pytest.raises(PlanError, match=r"rematerialize='all'.*has none"):
         plan(mlp, MESH, mlp_batch(), rematerialize="all")
+
+
+def test_gradient_accumulation_asked_for_is_planned_for_that_micro_batch():
+    build, _ = zoo.ZOO["llama"]
+    x = zoo.token_inputs(1024, batch=16)
+    whole = plan(build, MESH, x, gradient_accumulation_steps=1)
+    asked = plan(build, MESH, x, gradient_accumulation_steps=4)
+    assert whole.gradient_accumulation_steps == 1
+    assert asked.gradient_accumulation_steps == 4
+    assert asked.estimate.levers[-1].endswith("(asked for)")
+    # One micro-batch's activations (and data), plus an accumulator per
+    # trainable variable.
+    assert asked.estimate.activation_bytes < 0.3 * whole.estimate.activation_bytes
+    assert asked.estimate.optimizer_bytes == pytest.approx(
+        1.5 * whole.estimate.optimizer_bytes, rel=1e-6
+    )
+    with pytest.raises(PlanError, match="multiple of it"):
+        plan(build, MESH, x, gradient_accumulation_steps=3)

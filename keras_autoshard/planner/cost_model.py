@@ -114,6 +114,8 @@ class PlannerOptions:
             tensor-parallel regions over the tensor-parallel axis
             (`planner/sequence_parallel.py`): `True`, `False`, or `"auto"`
             (only where the plan does not fit without it).
+        gradient_accumulation_steps: `None` (chosen only when nothing else
+            fits the budget) or a micro-batch count asked for.
     """
 
     memory_budget_bytes: int | None = None
@@ -126,6 +128,7 @@ class PlannerOptions:
     minimize_peak: bool = False
     rematerialize: Any = "auto"
     sequence_parallel: Any = False
+    gradient_accumulation_steps: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

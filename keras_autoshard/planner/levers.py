@@ -219,6 +219,11 @@ def choose_levers(
             return candidate
         return _fewest_layers(graph, axes, mesh, options, candidate, choices)
 
+    asked_steps = options.gradient_accumulation_steps
+    if asked_steps is not None and asked_steps > 1:
+        return _asked_accumulation(
+            graph, axes, mesh, options, pins, attempt, choices, sequence_modes
+        )
     fitting: list[Candidate] = []
     for remat in choices:
         for sequence in sequence_modes:
@@ -241,11 +246,41 @@ def choose_levers(
         if not trim:
             return best
         return _fewest_layers(graph, axes, mesh, options, best, choices)
-    # Only when nothing else fits: gradient accumulation over micro-batches.
-    for micro_batches in accumulation_options(graph, axes, options.job):
+    # Only when nothing else fits: gradient accumulation over micro-batches
+    # (unless asked for none).
+    counts = accumulation_options(graph, axes, options.job)
+    for micro_batches in counts if asked_steps is None else ():
         candidate = attempt(choices[-1], sequence_modes[-1], micro_batches)
         if candidate is not None:
             return candidate
+    raise NoFit(best, _suggestions(graph, mesh, best.estimate))
+
+
+def _asked_accumulation(
+    graph, axes, mesh, options, pins, attempt, choices, sequence_modes
+) -> Candidate:
+    """The levers with the micro-batches asked for: the first
+    rematerialization and sequence option that fits, else the one that
+    needs the least memory (a `NoFit` when a budget was set)."""
+    steps = options.gradient_accumulation_steps
+    rows = _rows_per_data_rank(graph, axes)
+    if options.job != "train" or rows % steps:
+        raise PlanError(
+            f"gradient_accumulation_steps={steps}: a training step's batch per "
+            f"data-parallel rank ({rows} rows) must be a multiple of it."
+        )
+    for remat in choices:
+        for sequence in sequence_modes:
+            candidate = attempt(remat, sequence, steps)
+            if candidate is not None:
+                return candidate
+    unbounded = dataclasses.replace(options, memory_budget_bytes=None)
+    assignment = search(graph, axes, unbounded, pins, frozenset(choices[-1]), steps)
+    best = _candidate(
+        graph, axes, mesh, options, assignment, choices[-1], steps, sequence_modes[-1]
+    )
+    if options.memory_budget_bytes is None:
+        return best
     raise NoFit(best, _suggestions(graph, mesh, best.estimate))
 
 
@@ -263,16 +298,24 @@ def accumulation_options(
     Returns:
         Counts in increasing order (empty when the batch cannot be split).
     """
-    inputs = [t for t in graph.tensors if t.kind == "input" and t.shape]
-    if job != "train" or not inputs:
+    if job != "train":
         return []
-    per_device = inputs[0].shape[0] // math.prod(a.size for a in axes if a.data_only)
+    per_device = _rows_per_data_rank(graph, axes)
     counts, parts = [], 2
     while parts <= per_device:
         if per_device % parts == 0:
             counts.append(parts)
         parts *= 2
     return counts
+
+
+def _rows_per_data_rank(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> int:
+    """The batch one data-parallel rank feeds a step (the inputs' leading
+    dim over the data axes; 1 without inputs)."""
+    inputs = [t for t in graph.tensors if t.kind == "input" and t.shape]
+    if not inputs:
+        return 1
+    return inputs[0].shape[0] // math.prod(a.size for a in axes if a.data_only)
 
 
 def _fits(candidate: Candidate) -> bool:
@@ -328,7 +371,10 @@ def _candidate(
         if profile is None
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
         levers=_describe_levers(
-            remat, micro_batches, asked=options.rematerialize != "auto"
+            remat,
+            micro_batches,
+            asked=options.rematerialize != "auto",
+            asked_micro_batches=options.gradient_accumulation_steps is not None,
         )
         + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
     )
@@ -408,7 +454,10 @@ ASKED = " (asked for)"
 
 
 def _describe_levers(
-    remat: tuple[str, ...], micro_batches: int = 1, asked: bool = False
+    remat: tuple[str, ...],
+    micro_batches: int = 1,
+    asked: bool = False,
+    asked_micro_batches: bool = False,
 ) -> tuple[str, ...]:
     levers = []
     if remat:
@@ -422,8 +471,8 @@ def _describe_levers(
         levers.append(
             f"gradient accumulation over {micro_batches} micro-batches: feed "
             f"1/{micro_batches} of the planned batch per step with "
-            f"`gradient_accumulation_steps={micro_batches}` on the optimizer "
-            "(nothing else fits the whole batch)"
+            f"`gradient_accumulation_steps={micro_batches}` on the optimizer"
+            + (ASKED if asked_micro_batches else " (nothing else fits the whole batch)")
         )
     return tuple(levers)
 

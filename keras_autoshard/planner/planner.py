@@ -25,7 +25,6 @@ from keras_autoshard.planner.cost_model import (
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
 from keras_autoshard.planner.levers import (
-    ASKED,
     Candidate,
     NoFit,
     choose_levers,
@@ -33,19 +32,17 @@ from keras_autoshard.planner.levers import (
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS
+from keras_autoshard.planner.notes import memory_note, no_fit_message, uneven_state_note
 from keras_autoshard.planner.output_layouts import output_layouts
 from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins
 from keras_autoshard.planner.sequence_parallel import SequenceCut
-from keras_autoshard.plans.estimate import usable_budget
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
     MeshSpec,
     PlanError,
-    PlanEstimate,
     ShardingPlan,
     VariableSharding,
 )
@@ -80,6 +77,7 @@ def plan(
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
     sequence_parallel: bool | str = False,
+    gradient_accumulation_steps: int | None = None,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -137,6 +135,10 @@ def plan(
             `"auto"`: only where the plan does not fit the budget without
             it, tried before each rematerialization option (it recomputes
             nothing).
+        gradient_accumulation_steps: `None`: micro-batches only when nothing
+            else fits the budget (the fewest that fit); `1`: never; `n`:
+            always `n` (each data-parallel rank's batch must divide by it),
+            the sharding and other levers chosen for that micro-batch.
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -165,6 +167,7 @@ def plan(
         job=job,
         rematerialize=rematerialize,
         sequence_parallel=sequence_parallel,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     ).plan
 
 
@@ -181,11 +184,17 @@ def plan_with_cost(
     job: str = "train",
     rematerialize: str | Sequence[str] = "auto",
     sequence_parallel: bool | str = False,
+    gradient_accumulation_steps: int | None = None,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     if job not in JOBS:
         raise ValueError(f"job={job!r}: use one of {JOBS}.")
     sequence_parallel_modes(sequence_parallel, job)  # checks the request
+    if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
+        raise PlanError(
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: use None "
+            "(chosen to fit), 1 (never) or a count of micro-batches."
+        )
     profile = hardware_profile(hardware) if hardware is not None else None
     memory_budget = optional_byte_size(memory_budget)
     budget_asked = memory_budget is not None
@@ -231,6 +240,7 @@ def plan_with_cost(
             job=job,
             rematerialize=_remat_request(rematerialize),
             sequence_parallel=sequence_parallel,
+            gradient_accumulation_steps=gradient_accumulation_steps,
         )
         best = None
         reasons = []
@@ -254,7 +264,7 @@ def plan_with_cost(
         task.describe("planning: done")
     if best is None and no_fit:
         mesh, closest = min(no_fit, key=lambda m: m[1].best.estimate.peak_bytes)
-        message = _no_fit_message(mesh, closest)
+        message = no_fit_message(mesh, closest)
         if budget_asked:
             raise PlanError(message)
         warnings.warn(message, stacklevel=2)
@@ -349,43 +359,12 @@ def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
         sharding_plan = dataclasses.replace(
             sharding_plan, gradient_accumulation_steps=chosen.micro_batches
         )
-    note = _uneven_state_note(sharding_plan)
+    note = uneven_state_note(sharding_plan)
     if note:
         sharding_plan = dataclasses.replace(
             sharding_plan, notes=sharding_plan.notes + (note,)
         )
     return sharding_plan, chosen.cost
-
-
-# State per device above this multiple of an even cut is explained in a note.
-UNEVEN_STATE = 1.1
-
-
-def _uneven_state_note(sharding_plan: ShardingPlan) -> str | None:
-    """Why the variables per device exceed an even cut over every device by
-    more than `UNEVEN_STATE`: the largest variables kept whole, named."""
-    devices = sharding_plan.mesh.device_count
-    even = sharding_plan.total_bytes() / devices
-    held = sharding_plan.bytes_per_device()
-    if devices == 1 or held <= UNEVEN_STATE * even:
-        return None
-    whole = sorted(
-        (v for v in sharding_plan.variables if not any(v.spec)),
-        key=lambda v: (-v.total_bytes, v.path),
-    )[:3]
-    named = ", ".join(f"{v.path} ({format_bytes(v.total_bytes)})" for v in whole)
-    estimate = sharding_plan.estimate
-    why = (
-        "no memory budget asks for it"
-        if estimate is None or estimate.budget_bytes is None
-        else "the plan fits the budget without it"
-    )
-    return (
-        f"Variables per device are {held / even:.2f}x an even cut over "
-        f"{devices} devices ({format_bytes(held)} against "
-        f"{format_bytes(even)}): kept whole are {named}; every cut of them "
-        f"adds communication per step, and {why}."
-    )
 
 
 def _pinned_specs(variables, rules) -> dict[str, tuple]:
@@ -514,7 +493,7 @@ def _build_plan(
         graph, assignment, pinned, sequence, estimate.job if estimate else "train"
     )
     if estimate is not None:
-        pin_notes.append(_memory_note(estimate))
+        pin_notes.append(memory_note(estimate))
     plan = ShardingPlan(
         mesh=mesh,
         variables=tuple(entries),
@@ -528,54 +507,6 @@ def _build_plan(
     return plan
 
 
-def _parts(estimate: PlanEstimate) -> str:
-    return (
-        f"parameters {format_bytes(estimate.parameter_bytes)}, gradients "
-        f"{format_bytes(estimate.gradient_bytes)}, optimizer "
-        f"{format_bytes(estimate.optimizer_bytes)}, activations kept for the "
-        f"backward pass {format_bytes(estimate.activation_bytes)}, inputs and "
-        f"targets {format_bytes(estimate.data_bytes)}, transient "
-        f"{format_bytes(estimate.transient_bytes)}"
-        + (
-            f", key/value cache {format_bytes(estimate.cache_bytes)}"
-            if estimate.job == "generate"
-            else ""
-        )
-    )
-
-
-def _memory_note(estimate: PlanEstimate) -> str:
-    """The estimated peak per device, against the budget when there is one,
-    and the levers chosen."""
-    peak = format_bytes(estimate.peak_bytes)
-    job = {"train": "a training step", "generate": "generation"}.get(
-        estimate.job, "inference"
-    )
-    levers = "".join(
-        f" Lever: {lever}." if lever.endswith(ASKED) else f" Chosen to fit: {lever}."
-        for lever in estimate.levers
-    )
-    if estimate.budget_bytes is None:
-        return (
-            f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
-        )
-    usable = usable_budget(estimate.budget_bytes)
-    budget = (
-        f"the budget {format_bytes(estimate.budget_bytes)} (plans fill at most "
-        f"{format_bytes(usable)} of it)"
-    )
-    if estimate.peak_bytes <= usable:
-        return (
-            f"Estimated peak per device {peak} fits {budget} ({_parts(estimate)})."
-            + levers
-        )
-    over = format_bytes(estimate.peak_bytes - usable)
-    return (
-        f"Estimated peak per device {peak} EXCEEDS {budget} by {over} "
-        f"({_parts(estimate)})." + levers
-    )
-
-
 def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
     for tensor in graph.tensors:
         if tensor.kind == "input" and tensor.dim_classes:
@@ -583,17 +514,3 @@ def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
             if cls is not None and cls in assignment.class_axis:
                 return assignment.class_axis[cls]
     return None
-
-
-def _no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
-    estimate = no_fit.best.estimate
-    levers = "; ".join(estimate.levers) or "no rematerialization to offer"
-    return (
-        f"No plan fits the per-device budget of "
-        f"{format_bytes(estimate.budget_bytes or 0)} (of which plans may fill "
-        f"{format_bytes(usable_budget(estimate.budget_bytes or 0))}, the rest "
-        f"kept for the estimate's error): the least peak found, on "
-        f"{mesh.describe()}, is {format_bytes(estimate.peak_bytes)}, over by "
-        f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "
-        f"{levers}). It would fit with {' or '.join(no_fit.suggestions)}."
-    )
