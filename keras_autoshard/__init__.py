@@ -33,6 +33,8 @@ _PUBLIC_NAMES = {
     "build_abstract": "keras_autoshard.trace.tracer",
     "CompiledReport": "keras_autoshard.report.compiled_report",
     "inspect_compiled": "keras_autoshard.report.compiled_program",
+    "compile_for_target": "keras_autoshard.apply.jax.target_compile",
+    "TargetCompile": "keras_autoshard.apply.jax.target_compile",
     "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",
     "plan": "keras_autoshard.planner.planner",
     "CheckpointError": "keras_autoshard.errors",

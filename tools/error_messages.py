@@ -181,6 +181,16 @@ def devices_already_started() -> None:
     simulate_devices(2 * jax.device_count())
 
 
+def gpu_compiler_missing() -> None:
+    from unittest import mock
+
+    from keras_autoshard.runtime import gpu_targets
+
+    # As on a machine without JAX's CUDA plugin.
+    with mock.patch.object(gpu_targets.importlib.util, "find_spec", return_value=None):
+        gpu_targets.require_gpu_compiler()
+
+
 def collective_outside_shard_map() -> None:
     import jax.numpy as jnp
 
@@ -263,6 +273,7 @@ TRIGGERS: dict[str, Callable[[], object]] = {
     "plan-needs-sample-input": plan_needs_sample_input,
     "no-plan-fits-budget": no_plan_fits_budget,
     "devices-already-started": devices_already_started,
+    "gpu-compiler-missing": gpu_compiler_missing,
     "collective-outside-shard-map": collective_outside_shard_map,
     "collective-without-axis-name": collective_without_axis_name,
     "collective-wrong-type": collective_wrong_type,

@@ -1,7 +1,8 @@
 """The `keras-autoshard` command line (also `python -m keras_autoshard`).
 
 Commands: `plan` (print, save and draw a plan), `inspect` (compile one step
-under the plan and compare with the planner's estimate), `bench` (run the
+under the plan and compare with the planner's estimate; with `--target`, for
+GPUs that are not here, without weights), `bench` (run the
 benchmarks and rewrite BENCHMARKS.md) and `demo` (the Quickstart demo).
 Bad arguments give a usage error (exit code 2); errors the library reports
 (a plan that cannot fit, a model that cannot be built, a damaged file) give
@@ -71,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--strict",
         action="store_true",
         help="exit with code 1 when an estimate is flagged",
+    )
+    inspect.add_argument(
+        "--target",
+        choices=sorted(
+            name for name, profile in PROFILES.items() if profile.gpu_target
+        ),
+        type=str.lower,
+        help="compile the train step with XLA:GPU for the mesh's number of "
+        "these GPUs, ahead of time: no device is used and no weight allocated "
+        "(the model is built abstractly); the --hardware profile defaults to "
+        "it. Needs the gpu-compile extra (JAX's CUDA plugin)",
     )
     _add_bench_parser(commands)
     demo = commands.add_parser(
@@ -285,6 +297,10 @@ def _check_model_args(parser: argparse.ArgumentParser, args) -> None:
         )
     if args.command == "inspect" and not 0 <= args.tolerance:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    if args.command == "inspect" and args.target and args.job != "train":
+        parser.error(
+            f"--target compiles the train step; --job {args.job} plans no train step"
+        )
 
 
 def _library_errors() -> tuple[type[BaseException], ...]:
@@ -314,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.command in ("plan", "inspect"):
         _check_model_args(parser, args)
+    if args.command == "inspect" and args.target:
+        # A deviceless compile: JAX runs on the host, where the CUDA plugin
+        # loads without looking for a GPU (or printing that it found none).
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         return _dispatch(parser, args)
     except _library_errors() as error:
@@ -354,12 +374,16 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
             console=console,
         )
     # plan and inspect: the planner needs devices only to count them, inspect
-    # compiles on them.
+    # compiles on them (with --target, on a topology of GPUs that are not here).
     if args.mesh:
         device_count = math.prod(args.mesh)
     else:
         device_count = args.devices or DEFAULT_DEVICE_COUNT
-    if args.command == "inspect" or not args.mesh:
+    compiles_for_target = args.command == "inspect" and args.target
+    if compiles_for_target:
+        args.devices = device_count
+        args.hardware = args.hardware or args.target
+    elif args.command == "inspect" or not args.mesh:
         simulate_devices(device_count)
     if args.width is None and not sys.stdout.isatty():
         args.width = 160

@@ -306,14 +306,30 @@ def sample_batch(
     return keras.tree.map_structure(make, symbolic)
 
 
-def sample_targets(model, inputs):
-    """Float targets shaped like the model's outputs for `inputs` (for MSE)."""
+def sample_targets(model, inputs, shapes_only: bool = False):
+    """Float targets shaped like the model's outputs for `inputs` (for MSE).
+
+    Args:
+        model: A built Keras model (its variables may be abstract).
+        inputs: A batch of inputs (arrays or shape structs).
+        shapes_only: Give `jax.ShapeDtypeStruct`s, allocating nothing (a
+            70B model's targets for a batch of 256 x 4096 tokens are 32 GiB).
+
+    Returns:
+        Arrays (or shape structs) in the structure of the model's outputs.
+    """
     import keras
 
     symbolic = keras.tree.map_structure(
         lambda array: keras.KerasTensor(array.shape, dtype=str(array.dtype)), inputs
     )
     outputs = model.compute_output_spec(symbolic)
+    if shapes_only:
+        import jax
+
+        return keras.tree.map_structure(
+            lambda spec: jax.ShapeDtypeStruct(tuple(spec.shape), np.float32), outputs
+        )
     rng = np.random.default_rng(1)
     return keras.tree.map_structure(
         lambda spec: rng.standard_normal(tuple(spec.shape)).astype("float32"),

@@ -4,12 +4,15 @@
 plan, its totals per device and the estimated communication per step; it
 needs no devices, so any mesh can be planned on one machine. `inspect` also
 builds the model for real under the plan, compiles one training step and
-prints the compiled-program report next to the planner's estimate.
+prints the compiled-program report next to the planner's estimate; with
+`--target`, it builds the model abstractly again and XLA:GPU compiles the
+step for the target's GPUs (no device, no weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from rich.console import Console
@@ -46,7 +49,8 @@ SEQUENCE_PARALLEL = {"on": True, "off": False, "auto": "auto"}
 
 
 def make_plan(args: argparse.Namespace, source: ModelSource):
-    """Plan the model as the options ask; returns `(PlanningResult, sample)`."""
+    """Plan the model as the options ask; returns `(PlanningResult, sample,
+    abstract model)`."""
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.trace.tracer import build_abstract
 
@@ -66,13 +70,13 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         rematerialize=getattr(args, "rematerialize", "auto"),
         sequence_parallel=SEQUENCE_PARALLEL[getattr(args, "sequence_parallel", "off")],
     )
-    return result, sample
+    return result, sample, model
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """`keras-autoshard plan`: print (and save) the plan; returns an exit code."""
     source = model_source(args)
-    result, _ = make_plan(args, source)
+    result, _, _ = make_plan(args, source)
     plan = result.plan
     console = Console(width=args.width)
     console.print(build_plan_table(plan, max_rows=args.max_rows))
@@ -105,7 +109,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     )
     from keras_autoshard.report.estimate_check import (
         check_estimates,
-        estimate_table,
         planner_estimates,
     )
 
@@ -117,8 +120,10 @@ def run_inspect(args: argparse.Namespace) -> int:
             "the generate estimate is checked against a compiled CausalLM "
             "generate_step by `python -m benchmarks.generate_cache`."
         )
+    if args.target:
+        return _inspect_for_target(args)
     source = model_source(args)
-    result, sample = make_plan(args, source)
+    result, sample, _ = make_plan(args, source)
     distribution = PlanDistribution(result.plan)
     with distribution.scope():
         model = source.build()
@@ -135,13 +140,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         compiler_options=options,
     )
     console = Console(width=args.width)
-    console.print(
-        f"Planned {source.description} on mesh {result.plan.mesh.describe()} "
-        f"in {result.planning_time_s:.1f} s; compiled one train step and one "
-        "forward step" + _as_planned_note(result.plan, options is not None) + ".",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,  # one line: a long path stays whole
+    _print_header(
+        console,
+        result,
+        source,
+        "compiled one train step and one forward step"
+        + _as_planned_note(result.plan, options is not None),
     )
     console.print(report.table(), markup=False, highlight=False)
     checks = check_estimates(
@@ -149,29 +153,98 @@ def run_inspect(args: argparse.Namespace) -> int:
         report,
         tolerance=args.tolerance,
     )
+    flagged = _print_checks(console, checks, args.tolerance, on_cpu=True)
+    if args.json:
+        _write_json(console, args.json, report.to_dict(), checks)
+    return 1 if flagged and args.strict else 0
+
+
+def _inspect_for_target(args: argparse.Namespace) -> int:
+    """`inspect --target`: the plan's train step compiled by XLA:GPU for the
+    target's GPUs, from the model built abstractly (no device, no weights)."""
+    from keras_autoshard.apply.jax.target_compile import compile_for_target
+    from keras_autoshard.report.estimate_check import (
+        check_train_step,
+        planner_estimates,
+    )
+    from keras_autoshard.runtime.gpu_targets import require_gpu_compiler
+
+    require_gpu_compiler()  # before planning, which can take a while
+    source = model_source(args)
+    result, sample, abstract_model = make_plan(args, source)
+    targets = sample_targets(abstract_model, sample, shapes_only=True)
+    compiled = compile_for_target(
+        source.build, result.plan, (sample, targets), args.target
+    )
+    console = Console(width=args.width)
+    weights_note = (
+        "; the file's weights are not read (shapes only)" if source.weights_path else ""
+    )
+    _print_header(
+        console,
+        result,
+        source,
+        "compiled one train step"
+        + _as_planned_note(result.plan, memory_scheduled=False)
+        + weights_note,
+    )
+    console.print(compiled.table(), markup=False, highlight=False)
+    checks = check_train_step(
+        planner_estimates(result.cost, result.plan.estimate),
+        compiled.step,
+        {
+            "parameters": compiled.parameter_bytes_per_device,
+            "optimizer state": compiled.optimizer_bytes_per_device,
+        },
+        tolerance=args.tolerance,
+    )
+    flagged = _print_checks(console, checks, args.tolerance, on_cpu=False)
+    if args.json:
+        _write_json(console, args.json, compiled.to_dict(), checks)
+    return 1 if flagged and args.strict else 0
+
+
+def _print_header(console: Console, result, source: ModelSource, compiled: str):
+    console.print(
+        f"Planned {source.description} on mesh {result.plan.mesh.describe()} "
+        f"in {result.planning_time_s:.1f} s; {compiled}.",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,  # one line: a long path stays whole
+    )
+
+
+def _print_checks(console: Console, checks, tolerance: float, on_cpu: bool) -> list:
+    """The estimate table and a line saying what differs; returns the
+    flagged quantities."""
+    from keras_autoshard.report.estimate_check import estimate_table
+
     console.print(estimate_table(checks))
     flagged = [check.quantity for check in checks if check.flagged]
     if flagged:
         console.print(
             f"{len(flagged)} estimate(s) differ from the compiled program by more "
-            f"than {args.tolerance:.0%}: {', '.join(flagged)}.",
+            f"than {tolerance:.0%}: {', '.join(flagged)}.",
             markup=False,
             highlight=False,
         )
-        if any("communication" in quantity for quantity in flagged):
+        if on_cpu and any("communication" in quantity for quantity in flagged):
             console.print(
                 "XLA:CPU forms no reduce-scatter and combines fewer all-reduces, "
                 "so its communication is an upper bound for GPU/TPU."
             )
     else:
         console.print(
-            f"Every estimate is within {args.tolerance:.0%} of the compiled program."
+            f"Every estimate is within {tolerance:.0%} of the compiled program."
         )
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(report.to_json())
-        console.print(f"Wrote the report to {args.json}", markup=False, highlight=False)
-    return 1 if flagged and args.strict else 0
+    return flagged
+
+
+def _write_json(console: Console, path: str, report: dict, checks) -> None:
+    report = {**report, "estimate_checks": [check.to_dict() for check in checks]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    console.print(f"Wrote the report to {path}", markup=False, highlight=False)
 
 
 def _as_planned_note(sharding_plan, memory_scheduled: bool) -> str:

@@ -90,6 +90,15 @@ class CompiledStep:
         algorithms (`CollectiveOp.ring_bytes`)."""
         return sum(op.ring_bytes for op in self.select(kind, mesh_axes))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The step as JSON-ready data (no HLO), with per-kind summaries."""
+        return {
+            "name": self.name,
+            "memory": dict(self.memory),
+            "collectives": [op.to_dict() for op in self.collectives],
+            "collective_summary": summarize_collectives(self.collectives),
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledReport:
@@ -134,14 +143,6 @@ class CompiledReport:
         def shards(items):
             return [dataclasses.asdict(v) for v in items]
 
-        def step(s: CompiledStep):
-            return {
-                "name": s.name,
-                "memory": dict(s.memory),
-                "collectives": [op.to_dict() for op in s.collectives],
-                "collective_summary": summarize_collectives(s.collectives),
-            }
-
         return {
             "mesh": {
                 "shape": list(self.mesh.shape),
@@ -151,8 +152,8 @@ class CompiledReport:
             "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
             "parameters": shards(self.parameters),
             "optimizer_state": shards(self.optimizer_state),
-            "train_step": step(self.train_step),
-            "forward_step": step(self.forward_step),
+            "train_step": self.train_step.to_dict(),
+            "forward_step": self.forward_step.to_dict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -169,8 +170,8 @@ class CompiledReport:
             f"state {format_bytes(self.optimizer_bytes_per_device)}/device"
         )
         for step in (self.train_step, self.forward_step):
-            console.print(_collective_table(step))
-            console.print(_memory_line(step))
+            console.print(collective_table(step))
+            console.print(memory_line(step))
         return buffer.getvalue()
 
 
@@ -181,7 +182,9 @@ def _max_device_total(items: Sequence[VariableShards]) -> int:
     return max(totals)
 
 
-def _collective_table(step: CompiledStep) -> Table:
+def collective_table(step: CompiledStep) -> Table:
+    """A step's collectives per kind and mesh axes: count, operand bytes and
+    ring bytes sent per device, and their total."""
     table = Table(title=f"{step.name}: collectives in the optimized HLO")
     table.add_column("kind")
     table.add_column("mesh axes")
@@ -207,6 +210,7 @@ def _collective_table(step: CompiledStep) -> Table:
     return table
 
 
-def _memory_line(step: CompiledStep) -> str:
+def memory_line(step: CompiledStep) -> str:
+    """XLA's memory analysis of a step, as one line."""
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in step.memory.items())
     return f"{step.name} XLA memory per device: {parts}"

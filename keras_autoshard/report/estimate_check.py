@@ -1,9 +1,10 @@
 """The planner's estimates next to what the compiler made of the plan.
 
 Pure functions over plain data: the planner's per-device estimates (a
-mapping of quantity → bytes) and a `CompiledReport`. A quantity whose
-estimate differs from the compiled figure by more than the tolerance is
-flagged, so a cost model that drifts from XLA shows up at once.
+mapping of quantity → bytes) and a `CompiledReport`, or a train step
+compiled without weights (`check_train_step`). A quantity whose estimate
+differs from the compiled figure by more than the tolerance is flagged, so
+a cost model that drifts from XLA shows up at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from rich.table import Table
 
 from keras_autoshard.plans.plan_table import format_bytes
-from keras_autoshard.report.compiled_report import CompiledReport
+from keras_autoshard.report.compiled_report import CompiledReport, CompiledStep
 
 DEFAULT_TOLERANCE = 0.10
 PEAK = "peak per device (train step)"
@@ -68,6 +69,15 @@ class EstimateCheck:
     def flagged(self) -> bool:
         return abs(self.relative_difference) > self.tolerance
 
+    def to_dict(self) -> dict[str, float | str | bool]:
+        """The check as JSON-ready data (an infinite difference as `None`)."""
+        difference = self.relative_difference
+        return {
+            **dataclasses.asdict(self),
+            "relative_difference": None if math.isinf(difference) else difference,
+            "flagged": self.flagged,
+        }
+
 
 def planner_estimates(cost, estimate=None) -> dict[str, float]:
     """The planner's per-device figures that a compiled step also has.
@@ -119,21 +129,49 @@ def check_estimates(
     print([c.quantity for c in checks if c.flagged])
     ```
     """
-    step = report.train_step
-    compiled = {
-        "parameters": report.parameter_bytes_per_device,
-        "optimizer state": report.optimizer_bytes_per_device,
-        "train-step communication": step.operand_bytes(),
-        PEAK: compiled_peak_bytes(step.memory),
-        FORWARD_PEAK: compiled_peak_bytes(report.forward_step.memory),
+    return check_train_step(
+        estimates,
+        report.train_step,
+        {
+            "parameters": report.parameter_bytes_per_device,
+            "optimizer state": report.optimizer_bytes_per_device,
+            FORWARD_PEAK: compiled_peak_bytes(report.forward_step.memory),
+        },
+        tolerance,
+    )
+
+
+def check_train_step(
+    estimates: Mapping[str, float],
+    train_step: CompiledStep,
+    compiled: Mapping[str, float] | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> tuple[EstimateCheck, ...]:
+    """Pair each estimate with a compiled train step's figure: its peak, its
+    communication in total and over each mesh axis, and the figures of
+    `compiled` (variable bytes per device, read elsewhere).
+
+    Args:
+        estimates: Output of `planner_estimates` (unknown keys are skipped).
+        train_step: The compiled train step.
+        compiled: Further compiled figures, by the quantity they check.
+        tolerance: Relative difference above which a row is flagged.
+
+    Returns:
+        One `EstimateCheck` per estimate that has a compiled counterpart.
+    """
+    figures = {
+        "train-step communication": train_step.operand_bytes(),
+        PEAK: compiled_peak_bytes(train_step.memory),
+        **(compiled or {}),
     }
     checks = []
     for quantity, estimated in estimates.items():
         if quantity.startswith("communication over "):
             axis = quantity.removeprefix("communication over ")
-            actual = step.operand_bytes(mesh_axes=(axis,))
-        elif quantity in compiled:
-            actual = compiled[quantity]
+            actual = train_step.operand_bytes(mesh_axes=(axis,))
+        elif quantity in figures:
+            actual = figures[quantity]
         else:
             continue
         checks.append(

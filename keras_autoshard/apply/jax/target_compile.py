@@ -13,6 +13,9 @@ made: its memory analysis and its collectives.
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
+from rich.console import Console
 
 from keras_autoshard.apply.as_planned import first_micro_batch, planned_optimizer
 from keras_autoshard.apply.jax.plan_distribution import (
@@ -30,9 +34,14 @@ from keras_autoshard.apply.remat import rematerialize
 from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
-from keras_autoshard.plans.sharding_plan import ShardingPlan
+from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from keras_autoshard.report.compiled_program import step_report
-from keras_autoshard.report.compiled_report import CompiledStep
+from keras_autoshard.report.compiled_report import (
+    CompiledStep,
+    collective_table,
+    memory_line,
+)
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 from keras_autoshard.runtime.gpu_targets import gpu_topology
 from keras_autoshard.trace.tracer import abstract_variables, build_abstract
@@ -44,17 +53,35 @@ class TargetCompile:
 
     Args:
         target: The hardware profile's name.
-        device_count: GPUs compiled for.
+        mesh: The plan's mesh (its device count is the GPUs compiled for).
         step: The compiled step: memory analysis, collectives, HLO text.
+        parameter_bytes_per_device: The model's variables on one GPU, as the
+            plan's shardings place them.
+        optimizer_bytes_per_device: The optimizer's variables on one GPU.
         estimated_peak_bytes: The plan's estimated peak per device.
         compile_s: Seconds XLA:GPU took (lowering excluded).
+
+    Example:
+
+    ```python
+    result = compile_for_target(build, plan, (x, y), "h100-80gb")
+    print(result.table())
+    result.step.operand_bytes("reduce-scatter", mesh_axes=("batch",))
+    ```
     """
 
     target: str
-    device_count: int
+    mesh: MeshSpec
     step: CompiledStep
+    parameter_bytes_per_device: int
+    optimizer_bytes_per_device: int
     estimated_peak_bytes: int | None
     compile_s: float
+
+    @property
+    def device_count(self) -> int:
+        """GPUs compiled for."""
+        return self.mesh.device_count
 
     @property
     def compiled_peak_bytes(self) -> int:
@@ -67,6 +94,61 @@ class TargetCompile:
         if self.estimated_peak_bytes is None:
             return None
         return self.estimated_peak_bytes / self.compiled_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The compile as JSON-ready data (no HLO)."""
+        return {
+            "target": self.target,
+            "compiler": "XLA:GPU",
+            "device_count": self.device_count,
+            "mesh": {
+                "shape": list(self.mesh.shape),
+                "axis_names": list(self.mesh.axis_names),
+            },
+            "compile_s": self.compile_s,
+            "compiled_peak_bytes": self.compiled_peak_bytes,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "device_memory_bytes": hardware_profile(self.target).memory_bytes,
+            "parameter_bytes_per_device": self.parameter_bytes_per_device,
+            "optimizer_bytes_per_device": self.optimizer_bytes_per_device,
+            "train_step": self.step.to_dict(),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """`to_dict()` as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """The compile as text: what was compiled for what, the collectives
+        per mesh axis, XLA's memory analysis and the peak per device."""
+        memory_bytes = hardware_profile(self.target).memory_bytes
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=160, color_system=None)
+        console.print(
+            f"Train step compiled by XLA:GPU for {self.device_count} {self.target} "
+            f"GPUs (mesh {self.mesh.describe()}) in {self.compile_s:.1f} s, ahead "
+            "of time, no weights allocated.",
+            soft_wrap=True,
+        )
+        console.print(
+            f"Parameters {format_bytes(self.parameter_bytes_per_device)}/device, "
+            f"optimizer state {format_bytes(self.optimizer_bytes_per_device)}/device"
+        )
+        console.print(collective_table(self.step))
+        console.print(memory_line(self.step))
+        peak = (
+            f"Compiled peak per device {format_bytes(self.compiled_peak_bytes)} of "
+            f"the {self.target}'s {format_bytes(memory_bytes)}"
+        )
+        if self.compiled_peak_bytes > memory_bytes:
+            peak += " (DOES NOT FIT)"
+        if self.estimated_peak_bytes is not None:
+            peak += (
+                f"; the plan estimated {format_bytes(self.estimated_peak_bytes)} "
+                f"(estimate / compiled {self.estimate_ratio:.2f})"
+            )
+        console.print(peak + ".")
+        return buffer.getvalue()
 
 
 def compile_for_target(
@@ -104,6 +186,7 @@ def compile_for_target(
 
     ```python
     result = compile_for_target(build, plan, (x, y), "h100-80gb")
+    print(result.table())  # collectives per mesh axis, peak vs the estimate
     result.compiled_peak_bytes, result.estimate_ratio, result.step.collectives
     ```
     """
@@ -148,12 +231,25 @@ def compile_for_target(
         compiled = lowered.compile(compiler_options=compiler_options)
         compile_s = time.perf_counter() - start
     estimate = sharding_plan.estimate
+    trainable, non_trainable, optimizer, _ = state
     return TargetCompile(
         target=profile.name,
-        device_count=mesh_spec.device_count,
+        mesh=mesh_spec,
         step=step_report("train_step", compiled, mesh_spec),
+        parameter_bytes_per_device=_bytes_per_device(trainable + non_trainable),
+        optimizer_bytes_per_device=_bytes_per_device(optimizer),
         estimated_peak_bytes=None if estimate is None else estimate.peak_bytes,
         compile_s=compile_s,
+    )
+
+
+def _bytes_per_device(structs) -> int:
+    """Bytes of one device's shards of sharded `ShapeDtypeStruct`s (the
+    largest shard of an uneven split)."""
+    return sum(
+        math.prod(struct.sharding.shard_shape(struct.shape))
+        * np.dtype(struct.dtype).itemsize
+        for struct in structs
     )
 
 
