@@ -172,19 +172,21 @@ def find_python(version: str, overrides: dict[str, str]) -> str:
     variable = "KERAS_AUTOSHARD_PYTHON_" + version.replace(".", "_")
     if os.environ.get(variable):
         return os.environ[variable]
-    on_path = shutil.which(f"python{version}")
-    if on_path:
-        return on_path
+    candidates = [shutil.which(f"python{version}")]
     pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates = glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*"))
-    candidates.sort(
+    installed = glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*"))
+    installed.sort(
         key=lambda path: [
             int(p) for p in path.rsplit("/", 1)[1].split(".") if p.isdigit()
         ]
     )
-    for prefix in reversed(candidates):
-        interpreter = os.path.join(prefix, "bin", f"python{version}")
-        if os.path.exists(interpreter):
+    candidates += [
+        os.path.join(prefix, "bin", f"python{version}")
+        for prefix in reversed(installed)
+    ]
+    for interpreter in candidates:
+        # A pyenv shim on PATH answers only where that version is selected.
+        if interpreter and _runs(interpreter, version):
             return interpreter
     raise SystemExit(
         f"No Python {version} found: pass --python {version}=/path/to/python{version} "
@@ -205,6 +207,20 @@ def snapshot_checkout() -> str:
         ),
     )
     return copy
+
+
+def _runs(interpreter: str, version: str) -> bool:
+    """Whether `interpreter` starts and is Python `version`."""
+    try:
+        done = subprocess.run(
+            [interpreter, "-c", "import platform; print(platform.python_version())"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except OSError:
+        return False
+    return done.returncode == 0 and done.stdout.startswith(version + ".")
 
 
 def build_wheel(checkout: str) -> str:
