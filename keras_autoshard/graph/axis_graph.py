@@ -316,6 +316,11 @@ class AxisGraph:
         residuals: The tensors the backward pass keeps (`Kept`).
         residuals_within_layers: The same with fusions kept within layer
             calls (the view of a program whose layers are rematerialized).
+        accelerator_residuals: `residuals` as XLA:GPU (and TPU) fuse them:
+            the second pass of a normalisation (the exponentials of a
+            softmax, after its maximum) is recomputed from its first pass's
+            input rather than materialised (`graph/fusion.py`).
+        accelerator_residuals_within_layers: The same within layer calls.
         other_residual_bytes: Bytes kept that no tensor of the graph holds
             (intermediates of a derivative of another shape), counted whole.
         outputs: The forward pass's output tensor ids.
@@ -358,6 +363,8 @@ class AxisGraph:
     grouped_convs: tuple[GroupedConv, ...] = ()
     residuals: tuple[Kept, ...] = ()
     residuals_within_layers: tuple[Kept, ...] = ()
+    accelerator_residuals: tuple[Kept, ...] = ()
+    accelerator_residuals_within_layers: tuple[Kept, ...] = ()
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
     workspaces: tuple[tuple[int, float], ...] = ()
@@ -367,6 +374,25 @@ class AxisGraph:
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
+
+    def for_platform(self, platform: str) -> AxisGraph:
+        """This graph as the compiler of `platform` keeps residuals: itself
+        on `"cpu"` (XLA:CPU), with `accelerator_residuals` on `"gpu"` and
+        `"tpu"`.
+
+        Args:
+            platform: `"cpu"`, `"gpu"` or `"tpu"`.
+
+        Returns:
+            An `AxisGraph`.
+        """
+        if platform == "cpu" or not self.accelerator_residuals:
+            return self
+        return dataclasses.replace(
+            self,
+            residuals=self.accelerator_residuals,
+            residuals_within_layers=self.accelerator_residuals_within_layers,
+        )
 
     @functools.cached_property
     def matmul_operand_ids(self) -> frozenset[int]:

@@ -76,7 +76,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
-from keras_autoshard.graph.fusion import kept_after_fusion
+from keras_autoshard.graph.fusion import REDUCTIONS, kept_after_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -223,6 +223,10 @@ class _GraphBuilder:
         # the tensors some unfusible equation (a matmul, a gather) reads.
         self.fused_from: dict[int, tuple[int, ...]] = {}
         self.feeds_unfused: set[int] = set()
+        # Operand -> primitives of the unfusible equations that read it, and
+        # a reduction's output -> its operand (`graph/fusion.py`).
+        self.unfused_readers: dict[int, set[str]] = {}
+        self.reduced_from: dict[int, int] = {}
         # Operand -> buffers of its size its equation's backward needs at once.
         self.workspaces: dict[int, float] = {}
         # > 0 while walking the body of a call whose own derivative rule
@@ -252,6 +256,10 @@ class _GraphBuilder:
                     self.fused_from[tid] = tuple(eqn.ins)
             else:
                 self.feeds_unfused.update(eqn.ins)
+                for tid in eqn.ins:
+                    self.unfused_readers.setdefault(tid, set()).add(name)
+                if name in REDUCTIONS and eqn.ins and outs:
+                    self.reduced_from[outs[0]] = eqn.ins[0]
         if all(t in self.constant_like for t in eqn.ins):
             # Computed from constants alone (rotary tables from iota): XLA
             # folds it into the program's constants, nothing is kept.
@@ -480,6 +488,10 @@ class _GraphBuilder:
             matmul_operands=tuple(sorted(self.matmul_operands)),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),
+            accelerator_residuals=kept_after_fusion(self, accelerator=True),
+            accelerator_residuals_within_layers=kept_after_fusion(
+                self, within_layers=True, accelerator=True
+            ),
             workspaces=tuple(sorted(self.workspaces.items())),
             other_residual_bytes=self.other_residual_bytes,
             tensor_layers=self.layers.scopes(len(self.tensors)),

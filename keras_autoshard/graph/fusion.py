@@ -11,8 +11,16 @@ from typing import Any
 
 from keras_autoshard.graph.axis_graph import Kept
 
+# Reductions whose elementwise producers XLA:GPU fuses into them (input
+# fusion), and whose results feed the second pass of a normalisation.
+REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+)
 
-def kept_after_fusion(builder: Any, within_layers: bool = False) -> tuple[Kept, ...]:
+
+def kept_after_fusion(
+    builder: Any, within_layers: bool = False, accelerator: bool = False
+) -> tuple[Kept, ...]:
     """The residuals XLA materialises.
 
     With `within_layers`, a fusion does not reach past the call of the
@@ -52,7 +60,7 @@ def kept_after_fusion(builder: Any, within_layers: bool = False) -> tuple[Kept, 
             roots = (
                 (tid,)
                 if within_layers and made_in not in by_layers
-                else _fusion_roots(builder, tid, roots_of, within_layers)
+                else _fusion_roots(builder, tid, roots_of, within_layers, accelerator)
             )
             for root in roots:
                 key = (root, scale) if root == tid else (root, 1.0)
@@ -65,7 +73,11 @@ def kept_after_fusion(builder: Any, within_layers: bool = False) -> tuple[Kept, 
 
 
 def _fusion_roots(
-    builder: Any, tid: int, memo: dict[int, tuple[int, ...]], within_layers: bool
+    builder: Any,
+    tid: int,
+    memo: dict[int, tuple[int, ...]],
+    within_layers: bool,
+    accelerator: bool = False,
 ) -> tuple[int, ...]:
     """The materialised values `tid` is recomputed from (itself if it is
     materialised)."""
@@ -73,8 +85,47 @@ def _fusion_roots(
         return memo[tid]
     memo[tid] = (tid,)  # a cycle guard; loops do not occur in a jaxpr
     operands = builder.fused_from.get(tid)
-    if operands is None or tid in builder.feeds_unfused:
+    if operands is None:
         return memo[tid]
+    if tid in builder.feeds_unfused:
+        if not accelerator or not builder.unfused_readers.get(tid, set()) <= REDUCTIONS:
+            return memo[tid]
+        roots = _operand_roots(builder, tid, operands, memo, within_layers, True)
+        if not _second_pass(builder, roots, memo, within_layers):
+            return memo[tid]
+        memo[tid] = tuple(roots)
+        return memo[tid]
+    memo[tid] = tuple(
+        _operand_roots(builder, tid, operands, memo, within_layers, accelerator)
+    )
+    return memo[tid]
+
+
+def _second_pass(builder: Any, roots: list[int], memo, within_layers: bool) -> bool:
+    """Whether `roots` hold a reduction's result together with the value
+    (or what it is recomputed from) that reduction reduced."""
+    held = set(roots)
+    for root in roots:
+        reduced = builder.reduced_from.get(root)
+        if reduced is None:
+            continue
+        reduced = builder.view_of.get(reduced, reduced)
+        if reduced in held or held.intersection(
+            _fusion_roots(builder, reduced, memo, within_layers, True)
+        ):
+            return True
+    return False
+
+
+def _operand_roots(
+    builder: Any,
+    tid: int,
+    operands,
+    memo: dict[int, tuple[int, ...]],
+    within_layers: bool,
+    accelerator: bool,
+) -> list[int]:
+    """The materialised values the operands of `tid`'s equation come from."""
     roots: list[int] = []
     producer = builder.layers.producer
     for operand in operands:
@@ -88,8 +139,7 @@ def _fusion_roots(
             if root_view not in roots:
                 roots.append(root_view)
             continue
-        for root in _fusion_roots(builder, root_view, memo, within_layers):
+        for root in _fusion_roots(builder, root_view, memo, within_layers, accelerator):
             if root not in roots:
                 roots.append(root)
-    memo[tid] = tuple(roots)
-    return memo[tid]
+    return roots

@@ -351,6 +351,7 @@ def _candidate(
         half_as_single=options.platform == "cpu",
         remat=chosen,
         micro_batches=micro_batches,
+        platform=options.platform,
     )
     flops, recomputed = compute_flops_per_device(graph, axes, assignment, chosen)
     profile = options.hardware

@@ -23,6 +23,16 @@ Pure functions of the axis graph and an `Assignment`. For a training step
   accumulation, the update's new copy of every trainable variable, its
   slots and accumulator. The gradients counted are the fullest phase's.
 
+That is XLA:CPU's program (`platform="cpu"`: simulated devices). For an
+accelerator's (`"gpu"`, `"tpu"`: a GPU hardware profile, or the devices
+planned on), the activations are kept as XLA:GPU fuses them
+(`AxisGraph.for_platform`), and the backward pass is a sequence of stages,
+one per layer in reverse call order (`accelerator_peak`): each holds what
+the layers not yet differentiated keep, the current layer's own residuals,
+its parameters' gradients (an accelerator updates each variable as soon as
+its gradient is complete, in place) and one buffer of its largest batch
+activation; gradient accumulation adds no update phase.
+
 For inference (`predict`), the parameters, the data, the predictions (the
 outputs it returns) and twice the largest activation of the batch (a
 layer's input and output), or once the largest made from weights alone (a
@@ -52,10 +62,11 @@ from keras_autoshard.planner.cost_model import (
     terms_bytes,
     widening,
 )
-from keras_autoshard.planner.remat import backward_stages
+from keras_autoshard.planner.remat import backward_stages, layer_calls
 from keras_autoshard.plans.estimate import PlanEstimate
 
 JOBS = ("train", "inference", "generate")
+_COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 
 
 def estimate_memory(
@@ -67,6 +78,7 @@ def estimate_memory(
     half_as_single: bool = False,
     remat: frozenset[str] = frozenset(),
     micro_batches: int = 1,
+    platform: str = "cpu",
 ) -> PlanEstimate:
     """Per-device bytes at the peak of a step (see the module docstring).
 
@@ -85,6 +97,9 @@ def estimate_memory(
         micro_batches: Gradient accumulation: the batch is fed in this many
             parts, one per step (what the batch makes shrinks by it; each
             trainable variable gains an accumulator).
+        platform: `"cpu"` (XLA:CPU's program), `"gpu"` or `"tpu"` (an
+            accelerator's: `accelerator_peak`); `graph` must be
+            `graph.for_platform(platform)`.
 
     Returns:
         A `PlanEstimate` with its byte fields set (communication, budget
@@ -141,6 +156,7 @@ def estimate_memory(
             transient_bytes=int(max(2 * largest, largest_derived) + predictions),
             cache_bytes=int(cache),
             job=job,
+            compiler=_COMPILERS[platform],
         )
     targets = _targets_bytes(graph, axes)
     workspace = max(
@@ -159,6 +175,22 @@ def estimate_memory(
         sizes,
         half_as_single,
     )
+    accumulators = trainable if micro_batches > 1 else 0.0
+    if platform != "cpu":
+        kept, gradients, transient = accelerator_peak(
+            graph, assignment, sizes, remat, micro_batches
+        )
+        return PlanEstimate(
+            parameter_bytes=int(parameters),
+            gradient_bytes=int(gradients),
+            optimizer_bytes=int(optimizer_slots * trainable + accumulators),
+            activation_bytes=int(
+                kept + gathered_bytes(graph, assignment, sizes, remat)
+            ),
+            data_bytes=int((inputs + targets) / micro_batches),
+            transient_bytes=int(max(transient, 2 * outputs / micro_batches)),
+            compiler=_COMPILERS[platform],
+        )
     if remat:
         kept, gradients = _staged_peak(
             graph, assignment, sizes, half_as_single, remat, micro_batches
@@ -167,7 +199,6 @@ def estimate_memory(
         kept = kept_bytes(graph, assignment, sizes, half_as_single, remat)
     gathered = gathered_bytes(graph, assignment, sizes, remat)
     part = 1.0 / micro_batches
-    accumulators = trainable if micro_batches > 1 else 0.0
     # The fullest of the step's phases, each with every kept activation:
     # the backward pass (the gradients, the loss's gradient, which takes the
     # output's cut, and a layer's backward workspace: its output gradient,
@@ -271,6 +302,94 @@ def _staged_peak(
         gradients = sum(shard[tid] for tid in stage.gradients)
         best = max(best, (kept * part + gradients, kept, gradients))
     return best[1], best[2]
+
+
+def accelerator_peak(
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: dict[str, int],
+    remat: frozenset[str],
+    micro_batches: int = 1,
+) -> tuple[float, float, float]:
+    """(activations, gradients, workspace) one device holds at the fullest
+    stage of an accelerator's backward pass.
+
+    XLA:GPU differentiates layer by layer in reverse call order and frees a
+    kept activation after the backward pass of the last layer that reads
+    it; each parameter's update runs as soon as its gradient is complete
+    (in place in the donated state, also under gradient accumulation), so
+    the gradients alive are the current layer's. A stage holds: every kept
+    activation some layer not yet differentiated reads (a rematerialized
+    layer keeps only its input), the current layer's own residuals (made
+    again when it is rematerialized), its parameters' gradients, and one
+    buffer of its largest batch activation for the gradient being formed.
+    Read off XLA:GPU's buffers at the compiled peak (a Llama at Llama-2-70B
+    widths on 32x8, every layer rematerialized: the layer inputs, the last
+    layer's recomputed residuals and no gradient; at Llama-3-8B widths
+    without rematerialization: the earlier layers' residuals, the last
+    layer's, its weight gradients and its backward's attention-sized
+    buffers).
+
+    Args:
+        graph: The model's axis graph, `for_platform` an accelerator.
+        assignment: The candidate sharding.
+        sizes: Mesh axis name -> size.
+        remat: Names of the rematerialized layer calls.
+        micro_batches: Gradient accumulation parts.
+
+    Returns:
+        Bytes per device of the fullest stage: kept activations (the
+        current layer's included), gradients, workspace.
+    """
+    part = 1.0 / micro_batches
+    order = layer_calls(graph)
+    position = {layer: i for i, layer in enumerate(order)}
+    last = len(order)
+    residuals = graph.residuals_within_layers if remat else graph.residuals
+    # Bytes kept until the backward pass finishes the stage at each
+    # position (a residual no layer reads is kept to the end, `last`).
+    until: dict[int, float] = {}
+    own: dict[int, float] = {}
+    for kept in residuals:
+        tensor = graph.tensors[kept.tensor]
+        if tensor.kind != "activation":
+            continue
+        held = local_bytes(tensor, assignment, sizes) * kept.scale * kept.times * part
+        readers = [position.get(layer, last) for layer in kept.layers] or [last]
+        if kept.layers and all(layer in remat for layer in kept.layers):
+            own[min(readers)] = own.get(min(readers), 0.0) + held
+        else:
+            until[min(readers)] = until.get(min(readers), 0.0) + held
+    for layer, tids in graph.layer_inputs:
+        if layer in remat:
+            for tid in tids:
+                held = local_bytes(graph.tensors[tid], assignment, sizes) * part
+                until[position[layer]] = until.get(position[layer], 0.0) + held
+    gradients: dict[int, float] = {}
+    for tid, layers in graph.param_readers:
+        stage = max(position.get(layer, last) for layer in layers)
+        shard = local_bytes(graph.tensors[tid], assignment, sizes)
+        gradients[stage] = gradients.get(stage, 0.0) + shard
+    batch_classes = batch_carrying_classes(graph)
+    outputs = set(graph.outputs)
+    largest: dict[int, float] = {}
+    for tensor in graph.tensors:
+        if tensor.kind != "activation" or tensor.id in outputs:
+            continue
+        if not batch_classes.intersection(tensor.dim_classes):
+            continue
+        stage = position.get(graph.tensor_layers[tensor.id], last)
+        size = local_bytes(tensor, assignment, sizes) * part
+        largest[stage] = max(largest.get(stage, 0.0), size)
+    best = (-1.0, 0.0, 0.0, 0.0)
+    alive = 0.0  # what the stages up to this one still read
+    for stage in range(last + 1):
+        alive += until.get(stage, 0.0)
+        kept = alive + own.get(stage, 0.0)
+        made = gradients.get(stage, 0.0)
+        workspace = largest.get(stage, 0.0)
+        best = max(best, (kept + made + workspace, kept, made, workspace))
+    return best[1], best[2], best[3]
 
 
 def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:

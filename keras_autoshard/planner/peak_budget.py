@@ -77,12 +77,16 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         return
     graph = program.graph
     half = options.platform == "cpu"
+    accelerator = options.platform != "cpu"
     row: dict[int, float] = {}
     constant = 0.0
-    # Under gradient accumulation, the update's row (`memory_model`: every
-    # trainable variable, its slots and accumulator written anew beside the
-    # old; no gradient, loss or backward workspace).
-    update: dict[int, float] | None = {} if micro_batches > 1 else None
+    # Under gradient accumulation on XLA:CPU, the update's row
+    # (`memory_model`: every trainable variable, its slots and accumulator
+    # written anew beside the old; no gradient, loss or backward
+    # workspace). An accelerator updates in place, one variable at a time.
+    update: dict[int, float] | None = (
+        {} if micro_batches > 1 and not accelerator else None
+    )
     update_constant = 0.0
 
     def add(tensor, fsdp: bool, scale: float, update_scale: float | None = None):
@@ -109,8 +113,11 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         if tensor.kind == "state":
             add(tensor, True, 1.0)
         elif tensor.kind == "param":
-            # An unread parameter's gradient is zero, folded by XLA.
-            gradient = 1.0 if tensor.id in unread else 0.0
+            # An unread parameter's gradient is zero, folded by XLA; on an
+            # accelerator a gradient lives only until its update, which
+            # runs as soon as it is complete (`memory_model.accelerator_peak`:
+            # the largest layer's gradients are left to the headroom).
+            gradient = 1.0 if tensor.id in unread or accelerator else 0.0
             # The update: the variable, its slots and accumulator, twice.
             add(tensor, True, copies - gradient if train else 1.0, 2 * (2 + slots))
         elif tensor.kind == "input":
@@ -142,7 +149,7 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
                 add(tensor, False, 2.0 * widening(tensor, half) * part, 0.0)
     transient = program.lp.add_var(upper=np.inf)
     row[transient] = row.get(transient, 0.0) + 1.0
-    for tensor, factor in _transient_candidates(graph, train, half, part):
+    for tensor, factor in _transient_candidates(graph, train, half, part, accelerator):
         fixed, terms = program.bytes_terms(tensor, fsdp=False, scale=factor)
         bound = {transient: 1.0}
         for var, coefficient in terms.items():
@@ -168,8 +175,12 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         program.lp.add_row(update, upper=budget - update_constant)
 
 
-def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
-    """(tensor, buffers of its size) that may be the largest transient."""
+def _transient_candidates(
+    graph, train: bool, half: bool, part: float = 1.0, accelerator: bool = False
+):
+    """(tensor, buffers of its size) that may be the largest transient: on
+    an accelerator one buffer of a batch activation in training (the
+    gradient being formed), on XLA:CPU three."""
 
     batch_classes = batch_carrying_classes(graph)
     outputs = set(graph.outputs)
@@ -181,7 +192,7 @@ def _transient_candidates(graph, train: bool, half: bool, part: float = 1.0):
             continue
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
         if train:
-            factor = 3.0 * part if carries_batch else 1.0
+            factor = (1.0 if accelerator else 3.0) * part if carries_batch else 1.0
         else:  # a layer's input and output; one weight-derived copy
             factor = 2.0 if carries_batch else 1.0
         factor *= widening(tensor, half)

@@ -232,10 +232,12 @@ def plan_with_cost(
         task.describe("planning: axis graph")
         graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
         task.advance()
+        platform = profile.platform if profile is not None else _device_platform()
+        graph = graph.for_platform(platform)
         options = PlannerOptions(
             memory_budget_bytes=memory_budget,
             optimizer_slots=optimizer_slots,
-            platform=profile.platform if profile is not None else _device_platform(),
+            platform=platform,
             hardware=profile,
             job=job,
             rematerialize=_remat_request(rematerialize),

@@ -76,6 +76,10 @@ class PlanEstimate:
         recompute_flops: Of `compute_flops`, those the rematerialized
             layers spend recomputing their forward pass.
         levers: The memory levers chosen, in words.
+        compiler: The compiler whose program the byte figures follow:
+            `"XLA:CPU"` (simulated devices, and plans without a profile
+            on a CPU host), `"XLA:GPU"` or `"XLA:TPU"` (a profile or the
+            devices of that platform).
 
     Example:
 
@@ -100,6 +104,7 @@ class PlanEstimate:
     step_time_s: float | None = None
     recompute_flops: float = 0.0
     levers: tuple[str, ...] = ()
+    compiler: str = "XLA:CPU"
 
     @property
     def peak_bytes(self) -> int:
@@ -133,6 +138,7 @@ class PlanEstimate:
         data["step_time_s"] = self.step_time_s
         data["recompute_flops"] = float(self.recompute_flops)
         data["levers"] = list(self.levers)
+        data["compiler"] = self.compiler
         return data
 
     @classmethod
@@ -150,6 +156,8 @@ class PlanEstimate:
             step_time_s=data.get("step_time_s"),
             recompute_flops=float(data.get("recompute_flops") or 0.0),
             levers=tuple(data.get("levers") or ()),
+            # Plans written before estimates followed a GPU's compiler.
+            compiler=data.get("compiler", "XLA:CPU"),
         )
 
     def lines(self) -> list[tuple[str, int]]:
