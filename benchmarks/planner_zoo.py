@@ -94,7 +94,7 @@ def auto_with_budget(
     free = plan(build_model, mesh, sample_input=sample_input).estimate
     state = BUDGET_FACTOR * ADAM_COPIES * _parameter_bytes(build_model) / 8
     rest = free.peak_bytes - free.parameter_bytes - free.optimizer_bytes
-    budget = int((rest + state) / (1 - HEADROOM))
+    budget = int((rest + state) / (1 - HEADROOM["XLA:CPU"]))
     try:
         plan(build_model, mesh, sample_input=sample_input, memory_budget=budget)
     except PlanError as error:

@@ -152,7 +152,7 @@ def _tight_plan(name, mesh, rematerialize="auto"):
     # keeps when they are stored cut over the data axis (FSDP): each weight's
     # tensor-parallel part less this device's stored part.
     floor = 1.05 * free.total_bytes() * (4 / devices + 1 / model_ways - 1 / devices)
-    budget = int((estimate.peak_bytes - state + floor) / (1 - HEADROOM))
+    budget = int((estimate.peak_bytes - state + floor) / (1 - HEADROOM["XLA:CPU"]))
     tight = ka.plan(
         build, mesh, sample_input=x, memory_budget=budget, rematerialize=rematerialize
     )

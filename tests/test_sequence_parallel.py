@@ -272,7 +272,7 @@ def test_auto_chooses_sequence_parallelism_before_rematerialization_to_fit():
     # without levers fits: storage cuts).
     usable = 1.01 * sequence_parallel.estimate.peak_bytes
     assert usable < tensor_parallel.estimate.peak_bytes
-    budget = int(usable / (1 - HEADROOM))
+    budget = int(usable / (1 - HEADROOM["XLA:CPU"]))
 
     fitted = plan(_gpt2, mesh, x, memory_budget=budget, sequence_parallel="auto")
     assert not fitted.rematerialize, fitted.estimate.levers

@@ -50,7 +50,7 @@ from keras_autoshard.planner.sequence_parallel import (
     with_sequence_cut,
 )
 from keras_autoshard.planner.sequence_parallel import describe as describe_sequence
-from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
+from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate, usable_budget
 from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
 from keras_autoshard.plans.plan_table import format_bytes
@@ -98,8 +98,9 @@ class NoFit(Exception):
     def over_bytes(self) -> int:
         """Bytes of peak above the usable budget (the budget less the
         estimate's headroom)."""
-        return self.best.estimate.peak_bytes - usable_budget(
-            self.best.estimate.budget_bytes or 0
+        estimate = self.best.estimate
+        return estimate.peak_bytes - usable_budget(
+            estimate.budget_bytes or 0, estimate.compiler
         )
 
 
@@ -191,7 +192,9 @@ def choose_levers(
     if options.memory_budget_bytes is not None:
         searched = dataclasses.replace(
             options,
-            memory_budget_bytes=usable_budget(options.memory_budget_bytes),
+            memory_budget_bytes=usable_budget(
+                options.memory_budget_bytes, COMPILERS[options.platform]
+            ),
         )
 
     def attempt(remat, sequence, micro_batches=1) -> Candidate | None:
@@ -480,7 +483,7 @@ def _describe_levers(
 
 def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     """Changes that would fit the budget, from the least-peak estimate."""
-    budget = usable_budget(estimate.budget_bytes or 0)
+    budget = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     per_batch = estimate.activation_bytes + estimate.data_bytes

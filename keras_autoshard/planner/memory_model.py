@@ -63,10 +63,9 @@ from keras_autoshard.planner.cost_model import (
     widening,
 )
 from keras_autoshard.planner.remat import backward_stages, layer_calls
-from keras_autoshard.plans.estimate import PlanEstimate
+from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
-_COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 
 
 def estimate_memory(
@@ -156,7 +155,7 @@ def estimate_memory(
             transient_bytes=int(max(2 * largest, largest_derived) + predictions),
             cache_bytes=int(cache),
             job=job,
-            compiler=_COMPILERS[platform],
+            compiler=COMPILERS[platform],
         )
     targets = _targets_bytes(graph, axes)
     workspace = max(
@@ -189,7 +188,7 @@ def estimate_memory(
             ),
             data_bytes=int((inputs + targets) / micro_batches),
             transient_bytes=int(max(transient, 2 * outputs / micro_batches)),
-            compiler=_COMPILERS[platform],
+            compiler=COMPILERS[platform],
         )
     if remat:
         kept, gradients = _staged_peak(

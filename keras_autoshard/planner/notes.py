@@ -74,7 +74,7 @@ def memory_note(estimate: PlanEstimate) -> str:
         return (
             f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
         )
-    usable = usable_budget(estimate.budget_bytes)
+    usable = usable_budget(estimate.budget_bytes, estimate.compiler)
     budget = (
         f"the budget {format_bytes(estimate.budget_bytes)} (plans fill at most "
         f"{format_bytes(usable)} of it)"
@@ -94,11 +94,12 @@ def memory_note(estimate: PlanEstimate) -> str:
 def no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
     estimate = no_fit.best.estimate
     levers = "; ".join(estimate.levers) or "no rematerialization to offer"
+    usable = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
     return (
         f"No plan fits the per-device budget of "
         f"{format_bytes(estimate.budget_bytes or 0)} (of which plans may fill "
-        f"{format_bytes(usable_budget(estimate.budget_bytes or 0))}, the rest "
-        f"kept for the estimate's error): the least peak found, on "
+        f"{format_bytes(usable)}, the rest kept for the estimate's error): the "
+        f"least peak found, on "
         f"{mesh.describe()}, is {format_bytes(estimate.peak_bytes)}, over by "
         f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "
         f"{levers}). It would fit with {' or '.join(no_fit.suggestions)}."
