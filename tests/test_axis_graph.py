@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.graph.jaxpr import residuals
 from keras_autoshard.planner.cost_model import kept_widening
 
 BATCH, SEQ = 2, 16
@@ -413,6 +415,52 @@ def test_unknown_primitive_is_conservative(caplog):
     # Dims the unknown op never touched stay shardable.
     assert graph.classes[w1.dim_classes[0]].shardable
     assert graph.classes[w2.dim_classes[1]].shardable
+
+
+class _Foo(keras.layers.Layer):
+    """A layer whose primitive JAX can shape but not differentiate."""
+
+    def call(self, x):
+        return _foo_p.bind(x)
+
+
+def test_residuals_jax_cannot_tell_are_a_note_naming_primitive_and_layer():
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, name="up"),
+            _Foo(name="foo"),
+            keras.layers.Dense(16, name="down"),
+        ],
+        name="mlp",
+    )
+    graph = trace_model(model, jax.ShapeDtypeStruct((8, 16), "float32"))
+    (note,) = [n for n in graph.notes if "autoshard_test_foo" in n]
+    assert "unknown to JAX" in note and "in layer 'foo'" in note
+    assert "operands are assumed kept" in note
+    # The fallback stands: the primitive's operand (up's output) is kept,
+    # besides its output, which down's product keeps.
+    hidden = {
+        k.tensor for k in graph.residuals if graph.tensors[k.tensor].shape == (8, 32)
+    }
+    assert len(hidden) == 2
+
+
+def test_asking_jax_for_a_custom_jvp_calls_residuals_is_not_deprecated(monkeypatch):
+    """The one-equation jaxpr that asks JAX what a ReLU (a custom JVP call)
+    keeps carries debug info: JAX deprecates a Jaxpr without one."""
+    monkeypatch.setattr(residuals, "_CACHE", {})  # asked afresh, not cached
+
+    def f(w, x):
+        return jax.nn.relu(x @ w)
+
+    specs = [jax.ShapeDtypeStruct(s, "float32") for s in [(16, 32), (8, 16)]]
+    closed = jax.make_jaxpr(f)(*specs)
+    assert any(e.primitive.name == "custom_jvp_call" for e in closed.jaxpr.eqns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        graph = build_axis_graph(closed, [("param", "w"), ("input", "x")])
+    assert graph.residuals  # what the ReLU keeps, asked of JAX
 
 
 def test_scan_over_layers_with_cond():

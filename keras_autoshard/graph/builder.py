@@ -82,10 +82,9 @@ from keras_autoshard.graph.jaxpr.registry import (
     handled_primitives,
 )
 from keras_autoshard.graph.jaxpr.residuals import (
-    OWN_RULE_CALLS,
     STRUCTURAL_PRIMITIVES,
-    call_residuals,
-    equation_residuals,
+    ResidualsUnknown,
+    residuals_of,
 )
 from keras_autoshard.graph.jaxpr.walker import (
     Walker,
@@ -268,15 +267,11 @@ class _GraphBuilder:
         if self.own_rule_depth:
             return
         grads = [self.requires_grad(t) for t in eqn.ins]
-        if name in OWN_RULE_CALLS:
-            found = call_residuals(eqn.eqn, grads)
-        else:
-            found = equation_residuals(
-                eqn.eqn.primitive,
-                eqn.params,
-                [atom.aval for atom in eqn.eqn.invars],
-                grads,
-            )
+        try:
+            found = residuals_of(eqn.eqn, eqn.params, grads)
+        except ResidualsUnknown as unknown:  # the fallback, said in a note
+            found = unknown.assumed
+            self.notes.append(unknown.note(eqn.layer))
         for residual in found:
             if residual.side == "other":
                 self.other_residual_bytes += residual.nbytes * eqn.multiplicity

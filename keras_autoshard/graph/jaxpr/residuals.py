@@ -17,12 +17,16 @@ call (`jax.nn.softmax`, `jax.nn.relu`) is the exception: its own derivative
 rule decides what it keeps (a softmax keeps its output, not the exponentials
 of its body), so the call is asked as a whole (`call_residuals`) and its
 body's equations keep nothing.
+
+A primitive JAX cannot differentiate alone (no derivative rule) raises
+`ResidualsUnknown`, which carries the conservative answer (every operand
+with a gradient kept) for the caller to use and to say so in the graph's
+notes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -31,8 +35,6 @@ import jax
 import numpy as np
 
 from keras_autoshard.compat import jax_private
-
-logger = logging.getLogger(__name__)
 
 # Primitives whose bodies the walker walks: their equations carry the
 # residuals (a call keeps nothing of its own).
@@ -83,6 +85,46 @@ class Residual:
     derived: bool = False
 
 
+class ResidualsUnknown(Exception):
+    """JAX cannot tell what an equation keeps; `assumed` is the fallback.
+
+    Args:
+        primitive: The equation's primitive name.
+        assumed: The residuals assumed: every operand that carries a
+            gradient, kept whole.
+        reason: First line of JAX's error.
+    """
+
+    def __init__(
+        self, primitive: str, assumed: tuple[Residual, ...], reason: str
+    ) -> None:
+        super().__init__(f"residuals of {primitive} unknown to JAX ({reason})")
+        self.primitive = primitive
+        self.assumed = assumed
+        self.reason = reason
+
+    def note(self, layer: str = "") -> str:
+        """The graph note: the primitive, the layer (if any), the guess."""
+        where = f" in layer {layer!r}" if layer else ""
+        return f"{self}{where}: its operands are assumed kept for the backward pass"
+
+
+def residuals_of(
+    eqn, params: dict[str, Any], grads: Sequence[bool]
+) -> tuple[Residual, ...]:
+    """What the equation `eqn` keeps: a call with its own derivative rule
+    asked as a whole (`call_residuals`), any other primitive alone
+    (`equation_residuals`).
+
+    Raises:
+        ResidualsUnknown: as `equation_residuals`.
+    """
+    if eqn.primitive.name in OWN_RULE_CALLS:
+        return call_residuals(eqn, grads)
+    in_avals = [atom.aval for atom in eqn.invars]
+    return equation_residuals(eqn.primitive, params, in_avals, grads)
+
+
 def equation_residuals(
     primitive, params: dict[str, Any], in_avals: Sequence[Any], grads: Sequence[bool]
 ) -> tuple[Residual, ...]:
@@ -96,6 +138,10 @@ def equation_residuals(
 
     Returns:
         The residuals (none when no operand carries a gradient).
+
+    Raises:
+        ResidualsUnknown: JAX cannot differentiate the primitive alone; it
+            holds the residuals assumed instead.
     """
     if primitive.name in STRUCTURAL_PRIMITIVES or not any(grads):
         return ()
@@ -108,19 +154,27 @@ def equation_residuals(
         )
         hash(key)
     except TypeError:
-        return _queried(primitive, params, tuple(in_avals), tuple(grads))
-    return _cached(key, params, in_avals)
-
-
-_CACHE: dict[Any, tuple[Residual, ...]] = {}
-
-
-def _cached(key, params, in_avals) -> tuple[Residual, ...]:
+        return _known(
+            primitive.name, _queried(primitive, params, tuple(in_avals), tuple(grads))
+        )
     found = _CACHE.get(key)
     if found is None:
-        found = _queried(key[0], params, tuple(in_avals), key[3])
+        found = _queried(primitive, params, tuple(in_avals), key[3])
         _CACHE[key] = found
-    return found
+    return _known(primitive.name, found)
+
+
+# Residuals, and why JAX could not tell them (None when it could).
+_Answer = tuple[tuple[Residual, ...], str | None]
+_CACHE: dict[Any, _Answer] = {}
+
+
+def _known(primitive_name: str, answer: _Answer) -> tuple[Residual, ...]:
+    """The residuals of `answer`, or `ResidualsUnknown` with the fallback."""
+    residuals, unknown_reason = answer
+    if unknown_reason is not None:
+        raise ResidualsUnknown(primitive_name, residuals, unknown_reason)
+    return residuals
 
 
 def call_residuals(eqn, grads: Sequence[bool]) -> tuple[Residual, ...]:
@@ -133,6 +187,9 @@ def call_residuals(eqn, grads: Sequence[bool]) -> tuple[Residual, ...]:
 
     Returns:
         The residuals, as `equation_residuals` gives them.
+
+    Raises:
+        ResidualsUnknown: as `equation_residuals`.
     """
     if not any(grads):
         return ()
@@ -147,7 +204,7 @@ def call_residuals(eqn, grads: Sequence[bool]) -> tuple[Residual, ...]:
     if found is None:
         found = _queried(_bind_equation(eqn), None, in_avals, key[3])
         _CACHE[key] = found
-    return found
+    return _known(eqn.primitive.name, found)
 
 
 def _bind_equation(eqn):
@@ -161,9 +218,11 @@ def _bind_equation(eqn):
     ]
     one = eqn.replace(invars=variables)
     operands = [v for v in variables if isinstance(v, jcore.Var)]
-    run = jcore.jaxpr_as_fun(
-        jcore.ClosedJaxpr(jcore.Jaxpr([], operands, list(one.outvars), [one]), [])
-    )
+    # JAX deprecates a Jaxpr without debug info; this one has no Python
+    # function behind it, so its names are unknown (None).
+    debug_info = jcore.DebugInfo("residuals", eqn.primitive.name, None, None)
+    jaxpr = jcore.Jaxpr([], operands, list(one.outvars), [one], debug_info=debug_info)
+    run = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, []))
 
     class _Equation:
         name = eqn.primitive.name
@@ -177,7 +236,7 @@ def _bind_equation(eqn):
     return _Equation
 
 
-def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
+def _queried(primitive, params, in_avals, grads) -> _Answer:
     structs = [jax.ShapeDtypeStruct(tuple(a.shape), a.dtype) for a in in_avals]
 
     def alone(*args):
@@ -191,12 +250,14 @@ def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
         out_avals = jax.eval_shape(alone, *structs)
         found = jax_private.saved_residuals(alone, *structs)
     except Exception as error:  # noqa: BLE001 - any primitive JAX cannot bind alone
-        logger.debug("Residuals of %s unknown (%s); operands kept.", primitive, error)
-        return tuple(
+        # Every operand with a gradient kept; the caller notes the guess.
+        assumed = tuple(
             Residual("in", i, _nbytes(a))
             for i, (a, g) in enumerate(zip(in_avals, grads))
             if g and _inexact(a)
         )
+        lines = str(error).strip().splitlines()
+        return assumed, f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
     outs = jax.tree_util.tree_leaves(out_avals)
     residuals = []
     for aval, description in found:
@@ -216,7 +277,7 @@ def _queried(primitive, params, in_avals, grads) -> tuple[Residual, ...]:
         matched = _matched(aval, nbytes, outs, in_avals)
         own_output = description.startswith(f"output of {primitive.name} ")
         residuals.append(dataclasses.replace(matched, derived=not own_output))
-    return tuple(residuals)
+    return tuple(residuals), None
 
 
 def _held_operand(aval, in_avals, grads) -> int | None:
