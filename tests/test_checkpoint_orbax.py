@@ -2,6 +2,7 @@
 callback, and clear errors for damaged or foreign checkpoints."""
 
 import gc
+import json
 import os
 
 import keras
@@ -364,3 +365,39 @@ def test_restore_into_a_second_model_whose_optimizer_keras_named_adam_1(tmp_path
     for target, source in pairs:
         assert np.array_equal(np.asarray(target.value), np.asarray(source.value))
     assert int(restored.optimizer.iterations.value) == 2
+
+
+def test_a_damaged_stored_plan_is_an_error_naming_the_file_before_assigning(
+    tmp_path,
+):
+    plan = mlp_plan(MESH_2x4)
+    source = trained_mlp(PlanDistribution(plan), steps=1)
+    save_checkpoint(source, tmp_path / "ckpt", step=1, plan=plan)
+    record_file = tmp_path / "ckpt" / "1" / "_CHECKPOINT_METADATA"
+    record = json.loads(record_file.read_text())
+    del record["custom_metadata"]["keras_autoshard"]["plan"]["variables"]
+    record_file.write_text(json.dumps(record))
+    target = compiled_mlp(PlanDistribution(plan), seed=7)
+    before = state_arrays(target)
+    with pytest.raises(CheckpointError, match=f"plan stored in {record_file}"):
+        restore_checkpoint(target, tmp_path / "ckpt")
+    assert_same_state(target, before)
+
+
+class _BrokenPlanDistribution(keras.distribution.DataParallel):
+    """A distribution whose plan cannot be read for another reason than
+    not having planned yet."""
+
+    @property
+    def plan(self):
+        raise RuntimeError("the plan store is unreachable")
+
+
+def test_save_stores_no_plan_only_when_the_distribution_has_none_yet(tmp_path):
+    model = compiled_mlp(None)
+    with AutoShardDistribution().scope():  # not planned yet: PlanError
+        save_checkpoint(model, tmp_path / "ckpt", step=1)
+    assert restore_checkpoint(model, tmp_path / "ckpt").plan is None
+    with _BrokenPlanDistribution().scope():
+        with pytest.raises(RuntimeError, match="unreachable"):
+            save_checkpoint(model, tmp_path / "ckpt", step=2)

@@ -84,3 +84,47 @@ def test_a_rank_killed_during_save_leaves_the_previous_step_restorable(tmp_path)
     assert (directory / "4.partial").is_dir()  # the killed save's leftovers
     assert ka.complete_steps(directory) == [3]
     _run("restore", "1x2", tmp_path)  # latest complete step, bit for bit
+
+
+def _as_if_on_torch(monkeypatch, tmp_path):
+    """Make this (JAX) process take save_checkpoint's PyTorch path, with the
+    DCP write replaced by a record of what it was handed."""
+    from keras_autoshard.checkpoint import torch_dcp
+
+    handed = {}
+    monkeypatch.setattr(torch_dcp, "torch_backend", lambda: True)
+    monkeypatch.setattr(
+        torch_dcp,
+        "save_checkpoint_torch",
+        lambda model, directory, step, info, max_to_keep: handed.update(info),
+    )
+    return worker.build("mlp", seed=1), tmp_path / "ckpt", handed
+
+
+@pytest.mark.parametrize("argument", [{"wait": False}, {"progress": True}])
+def test_torch_save_refuses_what_it_cannot_do_naming_the_argument(
+    monkeypatch, tmp_path, argument
+):
+    model, directory, handed = _as_if_on_torch(monkeypatch, tmp_path)
+    ((name, value),) = argument.items()
+    with pytest.raises(ka.CheckpointError, match=f"{name}={value}"):
+        ka.save_checkpoint(model, directory, step=1, **argument)
+    assert handed == {}  # refused before any rank writes
+
+
+def test_torch_save_stores_the_plan_it_is_given(monkeypatch, tmp_path):
+    model, directory, handed = _as_if_on_torch(monkeypatch, tmp_path)
+    mesh = ka.MeshSpec((1, 2), ("batch", "model"))
+    rules = {"mlp_up/kernel": (None, "model")}
+    plan = ka.plan_from_rules(model.variables, mesh, rules, "batch")
+    ka.save_checkpoint(model, directory, step=1, plan=plan)
+    assert ka.ShardingPlan.from_dict(handed["plan"]) == plan
+
+
+def test_a_damaged_torch_record_is_an_error_naming_the_file(tmp_path):
+    step = tmp_path / "ckpt" / "1"
+    step.mkdir(parents=True)
+    (step / "keras_autoshard.json").write_text("{not json")
+    model = worker.build("mlp", seed=1)
+    with pytest.raises(ka.CheckpointError, match=str(step / "keras_autoshard.json")):
+        ka.restore_checkpoint(model, tmp_path / "ckpt")

@@ -27,11 +27,13 @@ from keras_autoshard.checkpoint import torch_dcp
 from keras_autoshard.checkpoint.sharded_load import weights_owner
 from keras_autoshard.checkpoint.steps import (
     STATE_CHECKPOINTABLE,
+    STEP_METADATA_FILE,
+    TORCH_INFO_FILE,
     complete_steps,
     latest_step,
 )
 from keras_autoshard.compat import keras_private
-from keras_autoshard.errors import CheckpointError
+from keras_autoshard.errors import CheckpointError, PlanError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 logger = logging.getLogger(__name__)
@@ -150,7 +152,7 @@ def current_plan(plan: ShardingPlan | None = None) -> ShardingPlan | None:
     distribution = keras.distribution.distribution()
     try:
         return getattr(distribution, "plan", None)
-    except Exception:  # AutoShardDistribution before planning raises PlanError
+    except PlanError:  # AutoShardDistribution before its first batch: no plan yet
         return None
 
 
@@ -180,12 +182,18 @@ def save_checkpoint(
         include_model_config: Store the model's Keras config, so that the
             checkpoint can rebuild the model.
         wait: Block until the step is on disk; with `False`, training can
-            go on while it is written: call `wait()` on the result.
+            go on while it is written: call `wait()` on the result. The
+            PyTorch backend saves synchronously only (`False` is an error).
         progress: Show a progress bar (on stderr) of the bytes written so
-            far against this process's shard bytes, while waiting.
+            far against this process's shard bytes, while waiting. Not on
+            the PyTorch backend (`True` is an error).
 
     Returns:
         A `PendingSave` (already finished when `wait`).
+
+    Raises:
+        CheckpointError: the step exists, the save failed, or (PyTorch
+            backend) `wait=False` or `progress=True` was asked for.
 
     Example:
 
@@ -198,7 +206,10 @@ def save_checkpoint(
     """
     directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths
     if torch_dcp.torch_backend():  # torch.distributed.checkpoint, rank by rank
-        info = custom_metadata(getattr(model, "plan", None), metadata, None)
+        torch_dcp.check_save_arguments(wait, progress)
+        if plan is None:
+            plan = getattr(model, "plan", None)
+        info = custom_metadata(plan, metadata, None)
         info = dict(info[METADATA_KEY], data_iterator_state=data_iterator_state)
         if include_model_config:
             info["model_config"] = _model_config_json(weights_owner(model))
@@ -207,16 +218,13 @@ def save_checkpoint(
     payload: dict[str, Any] = {STATE_CHECKPOINTABLE: model_state_tree(model)}
     if include_model_config:
         payload[CONFIG_CHECKPOINTABLE] = {"config": _model_config_json(model)}
+    info = custom_metadata(current_plan(plan), metadata, data_iterator_state)
     ocp = _orbax_api()
     checkpointer = new_checkpointer(directory, max_to_keep)
     try:
         with ocp.Context():
             response = checkpointer.save_checkpointables_async(
-                step,
-                payload,
-                custom_metadata=custom_metadata(
-                    current_plan(plan), metadata, data_iterator_state
-                ),
+                step, payload, custom_metadata=info
             )
     except Exception as error:
         checkpointer.close()
@@ -331,11 +339,10 @@ def restore_checkpoint(
         ours = torch_dcp.restore_torch_or_explain(model, path)
         if data_iterator is not None and ours.get("data_iterator_state") is not None:
             data_iterator.set_state(ours["data_iterator_state"])
-        plan_data = ours.get("plan")
         return RestoredCheckpoint(
             step=step,
             path=path,
-            plan=ShardingPlan.from_dict(plan_data) if plan_data else None,
+            plan=saved_plan(ours, os.path.join(path, TORCH_INFO_FILE)),
             metadata=ours.get("metadata"),
             data_iterator_state=ours.get("data_iterator_state"),
         )
@@ -343,7 +350,7 @@ def restore_checkpoint(
     _build_optimizer(model)
     try:
         with ocp.Context():
-            saved_tree = ocp.pytree_metadata(
+            saved_tree = ocp.metadata(
                 path, checkpointable_name=STATE_CHECKPOINTABLE
             ).metadata
             saved_custom = ocp.checkpointables_metadata(path).custom_metadata
@@ -357,6 +364,8 @@ def restore_checkpoint(
             f"Cannot read the array metadata of checkpoint {path}: its files are "
             "missing or damaged. Restore another step."
         )
+    ours = (saved_custom or {}).get(METADATA_KEY) or {}
+    plan = saved_plan(ours, os.path.join(path, STEP_METADATA_FILE))
     target_tree = model_state_tree(model)
     model_optimizer_key = _optimizer_key(target_tree)
     # Keras keys the optimizer group by the optimizer's generated name ("adam",
@@ -377,19 +386,39 @@ def restore_checkpoint(
             "are missing or damaged; nothing was assigned. Restore another step."
         ) from error
     model.set_state_tree(_with_optimizer_key(loaded, model_optimizer_key))
-    ours = (saved_custom or {}).get(METADATA_KEY) or {}
-    plan_data = ours.get("plan")
     iterator_state = ours.get("data_iterator_state")
     if data_iterator is not None and iterator_state is not None:
         data_iterator.set_state(iterator_state)
     return RestoredCheckpoint(
         step=step,
         path=path,
-        plan=ShardingPlan.from_dict(plan_data) if plan_data else None,
+        plan=plan,
         metadata=ours.get("metadata"),
         data_iterator_state=iterator_state,
         skipped_groups=tuple(skipped),
     )
+
+
+def saved_plan(record: Mapping[str, Any], file: str) -> ShardingPlan | None:
+    """The plan in a checkpoint's keras-autoshard record (read from `file`).
+
+    Returns:
+        The plan; `None` when the checkpoint was saved without one.
+
+    Raises:
+        CheckpointError: a plan is stored but cannot be read, naming `file`.
+    """
+    plan_data = record.get("plan")
+    if plan_data is None:
+        return None
+    try:
+        return ShardingPlan.from_dict(plan_data)
+    except (PlanError, KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(
+            f"The sharding plan stored in {file} cannot be read "
+            f"({type(error).__name__}: {error}): the file is damaged, or was "
+            "written by another keras-autoshard version. Restore another step."
+        ) from error
 
 
 def load_model_sharded(

@@ -20,7 +20,7 @@ STATE_CHECKPOINTABLE = "pytree"
 TORCH_INFO_FILE = "keras_autoshard.json"
 _STEP_NAME = re.compile(r"^\d+$")
 # What every finished Orbax step directory holds.
-_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 _TREE_METADATA_FILE = "_METADATA"
 
 
@@ -56,7 +56,7 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
         tree_metadata = os.path.join(
             step_dir, STATE_CHECKPOINTABLE, _TREE_METADATA_FILE
         )
-        orbax_done = os.path.exists(os.path.join(step_dir, _STEP_METADATA_FILE))
+        orbax_done = os.path.exists(os.path.join(step_dir, STEP_METADATA_FILE))
         if (orbax_done and os.path.exists(tree_metadata)) or os.path.exists(
             os.path.join(step_dir, TORCH_INFO_FILE)
         ):

@@ -105,6 +105,23 @@ def save_checkpoint_torch(
     return final
 
 
+def check_save_arguments(wait: bool, progress: bool) -> None:
+    """Refuse what the PyTorch backend's save cannot do, before any rank
+    writes: every rank raises the same error."""
+    unsupported = {
+        "wait=False": not wait,
+        "progress=True": progress,
+    }
+    asked = [argument for argument, given in unsupported.items() if given]
+    if asked:
+        raise CheckpointError(
+            f"save_checkpoint({', '.join(asked)}) is not supported on the PyTorch "
+            "backend: torch.distributed.checkpoint writes every rank's shards "
+            "before save_checkpoint returns, with no progress to show. Call it "
+            "with wait=True and progress=False (the defaults)."
+        )
+
+
 def restore_checkpoint_torch(model, path: str) -> dict[str, Any]:
     """Load step directory `path` into `model`'s tensors in place.
 
@@ -222,9 +239,15 @@ def read_torch_info(path: str) -> dict[str, Any]:
             "weights do: save_weights('model.weights.h5') on one backend and "
             "load_weights it on the other (bit-exact both ways)."
         )
-    with open(info) as file:
-        record = json.load(file)
-    if record.get("format") != TORCH_FORMAT:
+    try:
+        with open(info) as file:
+            record = json.load(file)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{info} cannot be read ({type(error).__name__}: {error}): the file "
+            "is damaged. Restore another step."
+        ) from error
+    if not isinstance(record, dict) or record.get("format") != TORCH_FORMAT:
         raise CheckpointError(f"{info} is not a {TORCH_FORMAT} record.")
     return record
 
