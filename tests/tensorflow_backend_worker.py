@@ -7,7 +7,8 @@ Run as `python tests/tensorflow_backend_worker.py DEVICES OUT.json` with
   and the MLP also under `AutoShardDistribution().scope()`), from the same
   initial weights and with an optimizer made outside the strategy scope;
 - plans the Embedding+EinsumDense model on a (2, 2) mesh;
-- asks for tensor parallelism three ways and records the errors;
+- asks for tensor parallelism three ways and records the errors, and the
+  error of `keras_autoshard.plan` in this (TensorFlow) process;
 and writes everything as JSON. The test (a JAX process) judges the figures.
 
 Importing this module (as the test does, for `build` and `batch`) does not
@@ -153,6 +154,14 @@ def main(devices, out_path):
         ),
         "model_parallel_plan": error_of(
             lambda: check_data_parallel_plan(model_parallel_plan)
+        ),
+        # keras_autoshard.plan traces with JAX, in this TensorFlow process.
+        "plan_in_this_process": error_of(
+            lambda: ka.plan(
+                build("mlp"),
+                ka.MeshSpec((devices, 1), ("batch", "model")),
+                sample_input=batch("mlp")[0],
+            )
         ),
     }
     result["keras_backend"] = keras.backend.backend()

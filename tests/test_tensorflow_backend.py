@@ -115,6 +115,24 @@ def test_tensor_parallelism_under_tensorflow_raises_naming_the_alternatives(
     assert "dtensor" in message and "docs/tensorflow.md" in message
 
 
+@pytest.mark.slow
+def test_planning_in_a_tensorflow_process_names_the_backend_not_the_model(
+    tensorflow_run,
+):
+    error = tensorflow_run["errors"]["plan_in_this_process"]
+    assert error is not None, "plan() under TensorFlow did not raise"
+    assert error["type"] == "PlanError"  # not ModelNotTraceableError
+    message = error["message"]
+    for needed in (
+        "Keras runs on 'tensorflow'",
+        "KERAS_BACKEND=jax",
+        "AutoShardDistribution",
+        "plan_for_tensorflow",
+    ):
+        assert needed in message
+    assert "TracerArrayConversionError" not in message
+
+
 def test_asking_for_tensorflow_under_jax_is_an_error():
     with pytest.raises(TensorParallelError, match="KERAS_BACKEND=tensorflow"):
         resolve_backend("tensorflow")

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import re
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,11 +23,39 @@ import keras
 import numpy as np
 
 from keras_autoshard.compat import keras_private
-from keras_autoshard.errors import ModelNotTraceableError
+from keras_autoshard.errors import ModelNotTraceableError, PlanError
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
 
 logger = logging.getLogger(__name__)
+
+# JAX's errors for a traced value used where a concrete one is needed: the
+# call cannot be traced. Any other error is the model's or the caller's own,
+# unless its message shows a tracer (a traced size given as a shape raises
+# a plain TypeError naming `JitTracer(~int32[])`).
+TRACING_ERRORS = (
+    jax.errors.ConcretizationTypeError,  # TracerBoolConversionError too
+    jax.errors.NonConcreteBooleanIndexError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.UnexpectedTracerError,
+)
+_TRACER_IN_MESSAGE = re.compile(r"tracer|Traced<", re.IGNORECASE)
+
+# What plans a model of another backend (in a JAX subprocess).
+_PLANNING_ELSEWHERE = {
+    "tensorflow": (
+        "keras_autoshard.AutoShardDistribution and TensorParallel(model) plan "
+        "in a JAX subprocess on TensorFlow, and plan_for_tensorflow(model, mesh, "
+        "sample_input) from keras_autoshard.apply.tensorflow.planning returns "
+        "the plan alone"
+    ),
+    "torch": (
+        "TensorParallel(model), launched with torchrun, plans in a JAX "
+        "subprocess on PyTorch, and plan_for_torch(model, mesh, sample_input) "
+        "from keras_autoshard.apply.torch.planning returns the plan alone"
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +181,14 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
 
     Returns:
         A `TracedModel`.
+
+    Raises:
+        PlanError: Keras runs on another backend than JAX in this process.
+        ModelNotTraceableError: `jax.jit` cannot trace the forward pass (a
+            JAX tracing error, `TRACING_ERRORS`); any other error of the
+            call (a shape error, a bad argument) propagates as raised.
     """
+    _require_jax_backend(model)
     if not model.built:
         raise ValueError(
             f"Model {model.name!r} is not built: give sample_input so it can be "
@@ -180,7 +216,9 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
                 [_struct(v) for v in non_trainable],
                 inputs,
             )
-    except Exception as error:  # noqa: BLE001 - re-raised with where it stopped
+    except Exception as error:
+        if tracing_error_in(error) is None:
+            raise  # the model's own error (a shape, an argument): as raised
         raise not_traceable_error(model, error) from error
     input_leaves, _ = jax.tree_util.tree_flatten_with_path(inputs)
     input_names = [_keystr(path) for path, _ in input_leaves]
@@ -214,6 +252,45 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             for name, (_, leaf) in zip(input_names, input_leaves)
         },
     )
+
+
+def _require_jax_backend(model: keras.Model) -> None:
+    """Refuse to trace under another Keras backend: JAX cannot trace its
+    tensors, and the failure would read as a fault of the model."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return
+    elsewhere = _PLANNING_ELSEWHERE.get(backend)
+    instead = f" To stay on {backend}: {elsewhere}." if elsewhere else ""
+    raise PlanError(
+        f"Planning traces the model with JAX, but Keras runs on {backend!r} in "
+        f"this process: model {model.name!r} is a {backend} model, which JAX "
+        "cannot trace (the model is not at fault). Set KERAS_BACKEND=jax "
+        f"before importing Keras to plan in this process.{instead}"
+    )
+
+
+def tracing_error_in(error: BaseException) -> BaseException | None:
+    """The JAX tracing error that `error` is or was raised from, following
+    its chain of causes: one of `TRACING_ERRORS`, else the innermost error
+    whose message shows a tracer; `None` when there is none.
+
+    Args:
+        error: An exception raised while building or tracing a model.
+
+    Returns:
+        The tracing error of the chain, or `None`.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    typed = [e for e in chain if isinstance(e, TRACING_ERRORS)]
+    if typed:
+        return typed[0]
+    worded = [e for e in chain if _TRACER_IN_MESSAGE.search(str(e))]
+    return worded[-1] if worded else None
 
 
 def not_traceable_error(model: keras.Model, error: Exception) -> ModelNotTraceableError:

@@ -38,9 +38,9 @@ from keras_autoshard.apply.tensor_parallel_setup import (
     tensor_parallel_setup,
 )
 from keras_autoshard.compat import keras_private
-from keras_autoshard.errors import ModelNotTraceableError
 from keras_autoshard.plans.rules import Spec
-from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
+from keras_autoshard.plans.sharding_plan import ShardingPlan
+from keras_autoshard.trace.tracer import tracing_error_in
 
 logger = logging.getLogger(__name__)
 
@@ -134,18 +134,17 @@ class JaxTensorParallel(TensorParallel):
             The applied `ShardingPlan`.
 
         Raises:
-            TensorParallelError: the model's forward pass cannot be traced.
+            TensorParallelError: the model's forward pass cannot be traced
+                (JAX's tracing errors); any other error of the model's call
+                (a shape error, a bad argument) propagates as it was raised.
         """
         try:
             self._build_wrapped(sample_input)
             return self._distribution.prepare(self, sample_input)
         except Exception as error:
-            passes = (PlanError, TensorParallelError, NotImplementedError)
-            if isinstance(error, passes) and not isinstance(
-                error, ModelNotTraceableError
-            ):
+            cause = tracing_error_in(error)
+            if cause is None:
                 raise
-            cause = _root_cause(error)
             raise TensorParallelError(
                 f"Cannot trace model {self.wrapped_model.name!r} to plan its "
                 f"sharding ({type(cause).__name__}: {_first_line(cause)}). "
@@ -317,18 +316,6 @@ class JaxTensorParallel(TensorParallel):
             f"<TensorParallel {self.wrapped_model.name!r} world_size="
             f"{self.world_size} mesh={self._setup.mesh.describe()} ({state})>"
         )
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The first exception of a chain (Keras re-raises JAX tracing errors
-    through wrappers whose own message hides the original)."""
-    seen = {id(error)}
-    while True:
-        inner = error.__cause__ or error.__context__
-        if inner is None or id(inner) in seen:
-            return error
-        seen.add(id(inner))
-        error = inner
 
 
 def _first_line(error: BaseException) -> str:
