@@ -1,5 +1,6 @@
 """Test set-up: JAX backend and 8 simulated host devices, before JAX starts;
-compiled programs shared within the run.
+compiled programs shared within the run; a deprecation this package's code
+triggers fails the test.
 
 XLA programs that the suite compiles more than once (the same model's step
 on the same devices, in several tests) are compiled once: JAX's
@@ -13,6 +14,8 @@ import atexit
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -28,3 +31,18 @@ atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# A DeprecationWarning attributed to this package's code (the warnings module
+# names the module of the frame the warning's stack level points at: ours,
+# for a deprecated JAX, Keras, Orbax or NumPy API we call that warns at its
+# caller) fails the test. As a mark it is applied after pytest's -W options,
+# so `-W ignore::DeprecationWarning` does not hide it; a test's own
+# filterwarnings mark still overrides it.
+OWN_DEPRECATIONS_FAIL = pytest.mark.filterwarnings(
+    r"error::DeprecationWarning:keras_autoshard(\.|$)"
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(OWN_DEPRECATIONS_FAIL, append=False)
