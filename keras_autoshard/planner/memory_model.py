@@ -198,7 +198,8 @@ def estimate_memory(
         kept = kept_bytes(graph, assignment, sizes, half_as_single, remat)
     gathered = gathered_bytes(graph, assignment, sizes, remat)
     part = 1.0 / micro_batches
-    # The fullest of the step's phases, each with every kept activation:
+    # The fullest of the step's phases, the first three with every kept
+    # activation:
     # the backward pass (the gradients, the loss's gradient, which takes the
     # output's cut, and a layer's backward workspace: its output gradient,
     # input gradient and that one's all-reduced copy); the loss (the
@@ -213,19 +214,21 @@ def estimate_memory(
     # (a vocabulary-sized output) at 1.18 of the compiled peak, the
     # gradients beside a pooling's workspace the CNN at 1.17 (1x8), and
     # without the update a Llama accumulating 4 micro-batches at 0.75.
+    held = kept * part + gathered
     phases = [
-        (gradients, outputs * part + max(3 * largest * part, largest_derived)),
-        (0.0, 2 * outputs * part),
-        (0.0, workspace * part),
+        (gradients, held, outputs * part + max(3 * largest * part, largest_derived)),
+        (0.0, held, 2 * outputs * part),
+        (0.0, held, workspace * part),
     ]
     if micro_batches > 1:
-        phases.append((0.0, trainable * (2 + optimizer_slots)))
-    gradients, transient = max(phases, key=sum)
+        # After the backward pass: its activations are freed.
+        phases.append((0.0, 0.0, trainable * (2 + optimizer_slots)))
+    gradients, held, transient = max(phases, key=sum)
     return PlanEstimate(
         parameter_bytes=int(parameters),
         gradient_bytes=int(gradients),
         optimizer_bytes=int(optimizer_slots * trainable + accumulators),
-        activation_bytes=int(kept * part + gathered),
+        activation_bytes=int(held),
         data_bytes=int((inputs + targets) * part),
         transient_bytes=int(transient),
     )

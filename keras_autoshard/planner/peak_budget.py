@@ -25,7 +25,7 @@ The estimate takes the fullest of the step's phases (backward pass, loss,
 a pooling's workspace); this row adds their parts, an envelope of them.
 Under gradient accumulation a second row bounds the update (a new copy of
 every trainable variable, its slots and accumulator beside the old, with
-the kept activations and the data).
+the data; the backward pass's activations are freed by then).
 
 With layers rematerialized, this row is the envelope of the backward
 pass's stages (`remat.backward_stages`): every gradient counted beside the
@@ -131,15 +131,15 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
             for tid in pair:
                 add(graph.tensors[tid], False, 1.0)
     if train:
+        # Kept activations are freed by the update (after the backward pass).
         constant += graph.other_residual_bytes * part
-        update_constant += graph.other_residual_bytes * part
         for tid, factor in kept_terms(graph, remat):
             tensor = graph.tensors[tid]
-            add(tensor, False, factor * kept_widening(graph, tensor, half) * part)
+            add(tensor, False, factor * kept_widening(graph, tensor, half) * part, 0.0)
         for tid, factor in gathered_param_terms(graph, remat):
             # The gathered copy (compute layout) less the stored shard.
-            add(graph.tensors[tid], False, factor)
-            add(graph.tensors[tid], True, -factor)
+            add(graph.tensors[tid], False, factor, 0.0)
+            add(graph.tensors[tid], True, -factor, 0.0)
         data_ways = math.prod(a.size for a in program.axes if a.data_only)
         for tid in graph.outputs:
             tensor = graph.tensors[tid]
