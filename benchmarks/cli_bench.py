@@ -122,6 +122,15 @@ BENCHMARKS = {
             "estimated vs compiled peak memory per device; real sizes planned",
         ),
         Benchmark(
+            "real_size_gpu",
+            "benchmarks.real_size_gpu",
+            "real-size-gpu",
+            ("--rows", "Llama-3-8B@1x8"),
+            "real-size models compiled by XLA:GPU for H100s without a GPU: "
+            "estimated vs compiled peak, tokens/s vs published (gpu-compile "
+            "extra)",
+        ),
+        Benchmark(
             "sequence_parallel",
             "benchmarks.sequence_parallel",
             "sequence-parallel",
