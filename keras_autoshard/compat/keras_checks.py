@@ -121,10 +121,13 @@ def _batch_frames_hold_data(_) -> bool:
     if hasattr(iterator_class, "_get_distributed_iterator"):  # keras 3.15
         return "data" in _local_names(iterator_class._get_distributed_iterator)
     # keras 3.16: `_distribute_data` asks the layouts itself, and says
-    # whether `data` stacks the batches of several steps.
-    return "get_layout" in inspect.getsource(
-        module._distribute_data
-    ) and "is_super_batch" in _local_names(module._distribute_data)
+    # whether `data` stacks the batches of several steps; `fit` builds the
+    # model's state from `_maybe_symbolic_build`'s raw `data_batch`.
+    return (
+        "get_layout" in inspect.getsource(module._distribute_data)
+        and "is_super_batch" in _local_names(module._distribute_data)
+        and "data_batch" in _local_names(module.Trainer._maybe_symbolic_build)
+    )
 
 
 def _entry_methods_hold_loop_locals(private: ModuleType) -> bool:
@@ -191,12 +194,17 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
         ),
     ),
     (
-        "global attributes 'stateless_scope', 'current_call_ctx'",
+        "global attributes 'stateless_scope', 'current_call_ctx', 'symbolic_scope'",
         lambda private: all(
             _module_source_has(module, f'"{name}"')
             for module, name in zip(
-                (f"{_BACKEND}.common.stateless_scope", "keras.src.layers.layer"),
+                (
+                    f"{_BACKEND}.common.stateless_scope",
+                    "keras.src.layers.layer",
+                    f"{_BACKEND}.common.symbolic_scope",
+                ),
                 private.CALL_SCOPE_ATTRIBUTES,
+                strict=True,
             )
         ),
     ),
@@ -275,6 +283,29 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
         lambda _: (
             _source_has("backend/torch/ops/core.py", "def to_torch_dtype(")
             or _source_has("backend/torch/core.py", "def to_torch_dtype(")
+        ),
+    ),
+    (
+        "torch Trainer._initialize_ddp (where it wraps models in DDP)",
+        lambda _: (
+            not _source_has("backend/torch/trainer.py", "DistributedDataParallel(")
+            or _source_has(
+                "backend/torch/trainer.py",
+                "def _initialize_ddp(self)",
+                "self._initialize_ddp()",
+            )
+        ),
+    ),
+    (
+        "keras.src.trainers.trainer.BaseTrainer (3.16) / Trainer (3.15)"
+        ".get_metrics_result",
+        lambda _: callable(
+            _attribute(
+                "keras.src.trainers.trainer",
+                "BaseTrainer.get_metrics_result"
+                if _source_has("trainers/trainer.py", "class BaseTrainer")
+                else "Trainer.get_metrics_result",
+            )
         ),
     ),
     (

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import copy
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -30,24 +31,19 @@ KERAS_SOURCE_PATH_PART = "/keras/src/"
 # Keras's global attributes the package reads or sets (`global_state`).
 NAME_COUNTERS_ATTRIBUTE = "object_name_uids"
 UNINITIALIZED_VARIABLES_ATTRIBUTE = "uninitialized_variables"
-CALL_SCOPE_ATTRIBUTES = ("stateless_scope", "current_call_ctx")
+CALL_SCOPE_ATTRIBUTES = ("stateless_scope", "current_call_ctx", "symbolic_scope")
 
 # Trainer methods whose frame names the model (`self`) asking for a layout.
 _TRAINER_METHODS = frozenset(
-    {
-        "_symbolic_build",
-        "fit",
-        "evaluate",
-        "predict",
-        "train_on_batch",
-        "test_on_batch",
-        "predict_on_batch",
-    }
+    "_symbolic_build fit evaluate predict train_on_batch test_on_batch "
+    "predict_on_batch".split()
 )
-# JAX trainer functions whose local `data` is the batch being distributed:
-# `_get_distributed_iterator` asks for layouts on keras 3.15, `_distribute_data`
-# (through the module's `get_layout`) on keras 3.16.
-_BATCH_HOLDERS = frozenset({"_distribute_data", "_get_distributed_iterator"})
+# JAX trainer frames holding a batch -> their local holding it (3.15: the first).
+_BATCH_HOLDERS = {
+    "_get_distributed_iterator": "data",
+    "_distribute_data": "data",
+    "_maybe_symbolic_build": "data_batch",
+}
 # Outer trainer methods, whose locals hold the epoch iterator and the state.
 ENTRY_METHODS = ("fit", "evaluate", "predict")
 
@@ -110,9 +106,7 @@ def to_torch_dtype(dtype) -> Any:
     """The `torch.dtype` of a Keras dtype name. Imports torch.
 
     Private: `to_torch_dtype` of `keras.src.backend.torch.core` (keras 3.15)
-    or `keras.src.backend.torch.ops.core` (keras 3.16, where the backend's
-    ops moved into `ops/`). Checked on keras 3.15.1 with torch 2.13; found
-    by reading the keras 3.16 source only (no torch installed there).
+    or `.torch.ops.core` (keras 3.16); checked with torch 2.13 and 2.15.
     If it changes: sharding a model on the PyTorch backend without
     initialising its variables (loading a weights file) fails.
     """
@@ -121,6 +115,36 @@ def to_torch_dtype(dtype) -> Any:
     except ImportError:
         from keras.src.backend.torch.core import to_torch_dtype as convert
     return convert(dtype)
+
+
+def torch_trainer_per_rank(model_class: type) -> type:
+    """Class decorator: keras 3.16's PyTorch trainer neither wraps these
+    models (DTensor shards) in DDP nor sums their metrics over the ranks.
+    Private: torch `Trainer._initialize_ddp` and `.get_metrics_result` (3.16),
+    overridden by `get_metrics_result` of `keras.src.trainers.trainer`'s
+    `BaseTrainer` (keras 3.16) or `Trainer` (3.15).
+    If they change: the first step fails ("mixed torch.Tensor and DTensor",
+    "c10d.broadcast_.default") or a `Sum` metric counts each batch per rank.
+    """
+    from keras.src.trainers import trainer
+
+    model_class._initialize_ddp = lambda self: None
+    base = getattr(trainer, "BaseTrainer", None) or trainer.Trainer
+    model_class.get_metrics_result = base.get_metrics_result
+    return model_class
+
+
+def torch_attention_on_local_blocks() -> bool:
+    """Whether keras 3.16's PyTorch `dot_product_attention` computes on
+    DTensors' local blocks (right only when its inputs are cut alike).
+    Private: `keras.src.backend.torch.ops.nn.dot_product_attention`.
+    If it changes: nothing fails; layer outputs stay as DTensor cuts them.
+    """
+    try:
+        from keras.src.backend.torch.ops import nn
+    except ImportError:  # keras 3.15: attention runs on the DTensors
+        return False
+    return ".to_local()" in inspect.getsource(nn.dot_product_attention)
 
 
 # ------------------------------------------------------------- data and steps
@@ -182,9 +206,8 @@ def trainer_call_on_stack(depth: int) -> tuple | None:
     state Keras moved the variable values into.
 
     Private: `sys._getframe` and the frame locals of Keras's JAX trainer
-    (`data` of `_get_distributed_iterator` on keras 3.15 and of
-    `_distribute_data` on keras 3.16, where with `steps_per_execution > 1`
-    it holds a stack of batches and the first is returned; `epoch_iterator`
+    (`_BATCH_HOLDERS`, whose `data` on keras 3.16 stacks the batches of
+    `steps_per_execution > 1` steps: the first is returned; `epoch_iterator`
     and `state` of `fit`/`evaluate`/`predict`; `x` of `predict_on_batch`).
     If they change: `AutoShardDistribution` cannot plan on the first batch
     (use `prepare(model, sample_input)`), and batch sizes are not checked
@@ -198,7 +221,7 @@ def trainer_call_on_stack(depth: int) -> tuple | None:
     while frame is not None:
         name = frame.f_code.co_name
         if batch is None and name in _BATCH_HOLDERS:
-            batch = frame.f_locals.get("data")
+            batch = frame.f_locals.get(_BATCH_HOLDERS[name])
             if frame.f_locals.get("is_super_batch") and batch is not None:
                 batch = keras.tree.map_structure(
                     lambda stacked: None if stacked is None else stacked[0], batch
@@ -443,12 +466,13 @@ def pending_initializations_set_aside() -> Iterator[None]:
 def outside_keras_call() -> Iterator[None]:
     """Step out of the Keras call being traced for the block (its stateless
     scope holds the step's tracers as variable values, its call context the
-    layer being called) and back in after: the block sees the variables'
-    real values. Keras's own scope objects are put back as they were.
+    layer being called, its symbolic scope a shape-only build) and back in
+    after: the block sees the variables' real values. Keras's own scope
+    objects are put back as they were.
 
-    Private: the `stateless_scope` and `current_call_ctx` globals.
-    If they change: `AutoShardDistribution` cannot plan inside
-    `predict_on_batch` (call `prepare(model, x)` first).
+    Private: the globals `CALL_SCOPE_ATTRIBUTES` names (the symbolic scope too).
+    If they change: `AutoShardDistribution` cannot plan inside a traced
+    call (`predict_on_batch`: call `prepare(model, x)` first).
     """
     from keras.src.backend.common import global_state
 

@@ -286,17 +286,20 @@ class JaxAutoShardDistribution(AutoShardDistribution):
 
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         if self._applied is None:
-            self._plan_in_predict_on_batch()
+            self._plan_in_traced_call()
         return None if self._applied is None else self._applied.get_tensor_layout(path)
 
-    def _plan_in_predict_on_batch(self) -> None:
-        """`predict_on_batch` hands Keras's step its batch undistributed, so no
-        data layout is asked: the first layer output it lays out (while Keras
-        traces the step) plans the model instead. The plan and the moves run
-        eagerly, outside that trace; the step being traced keeps the old
-        layout, and the step function is remade for the next call."""
+    def _plan_in_traced_call(self) -> None:
+        """Two trainer calls trace the model before asking for a data layout:
+        `predict_on_batch` hands Keras's step its batch undistributed, and on
+        keras 3.16 `fit` and `evaluate` build the loss, metrics and optimizer
+        symbolically from the raw first batch before their first step (whose
+        state is then already taken). The first layer output Keras lays out
+        in them plans the model instead. The plan and the moves run eagerly,
+        outside that trace; a step being traced keeps the old layout, and the
+        step function is remade for the next call."""
         call = trainer_call_asking()
-        if call is None or call.method != "predict_on_batch":
+        if call is None or call.batch is None:
             return
         model = call.model
         if not all(layer.built for layer in keras_private.all_layers(model)):

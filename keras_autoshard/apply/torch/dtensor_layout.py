@@ -68,3 +68,33 @@ def placements_for(spec: Sequence[str | None], mesh: MeshSpec) -> list:
 def batch_placements(mesh: MeshSpec, batch_axis: str | None) -> list:
     """Placements of an input batch: split on `batch_axis`, else replicated."""
     return placements_for((batch_axis,) if batch_axis else (), mesh)
+
+
+def batch_cut_on_batch_axis(value, batch_mesh_dim: int | None):
+    """A layer output with its batch dimension cut over the batch axis only
+    and no pending sum: over any other mesh axis, a cut of dimension 0 or a
+    partial sum becomes a replica (other cuts, and values that are not
+    DTensors, are left as they are).
+
+    DTensor's propagation may cut activations' batch over the model axis (a
+    reduce-scatter of a partial sum, say) while the masks derived from the
+    inputs are cut over the batch axis only; keras 3.16 computes attention on
+    the local blocks of its inputs, which must then be cut alike.
+
+    Args:
+        value: Anything a layer returns.
+        batch_mesh_dim: Index of the batch axis in the mesh, or `None`.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor) or value.ndim == 0:
+        return value
+    placements = [
+        Replicate()
+        if index != batch_mesh_dim and (placement.is_partial() or placement.is_shard(0))
+        else placement
+        for index, placement in enumerate(value.placements)
+    ]
+    if placements == list(value.placements):
+        return value
+    return value.redistribute(value.device_mesh, placements)

@@ -6,17 +6,25 @@ DTensors sharded on the batch axis; outputs leave as plain tensors of the
 global batch, identical on every rank, and targets are gathered the same way,
 so the loss is the global-batch loss on every rank. DTensor's autograd then
 all-reduces replicated parameters' gradients over the data axis and inserts
-the Megatron all-reduces over the model axis.
+the Megatron all-reduces over the model axis. Keras's own data parallelism
+(keras 3.16 wraps a model in `DistributedDataParallel` under a process group,
+and sums metric variables over the ranks) is turned off for these models, and
+on keras 3.16, which computes attention on the local blocks of its inputs,
+every layer's output keeps its batch cut over the batch axis only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import keras
 from keras import tree
 
-from keras_autoshard.apply.torch.dtensor_layout import batch_placements
+from keras_autoshard.apply.torch.dtensor_layout import (
+    batch_cut_on_batch_axis,
+    batch_placements,
+)
 from keras_autoshard.apply.torch.sharded_state import (
     RankStateBytes,
     rank_state_bytes,
@@ -28,6 +36,7 @@ from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 
+@keras_private.torch_trainer_per_rank
 class TorchShardedModel(keras.Model):
     """Run a built Keras model sharded by a plan across torch ranks.
 
@@ -51,6 +60,7 @@ class TorchShardedModel(keras.Model):
         super().__init__(**kwargs)
         self.inner = model
         self._sharding = None
+        self._output_hooks = ()
         if plan is not None:
             self._shard(plan, device_mesh)
 
@@ -70,8 +80,27 @@ class TorchShardedModel(keras.Model):
         if weights is not None:
             load_weights_local(self.inner, weights)
         self._sharding = (plan, device_mesh)
+        self._cut_layer_outputs_alike(plan)
         if getattr(self, "optimizer", None) is not None and self.optimizer.built:
             shard_optimizer_variables(self)
+
+    def _cut_layer_outputs_alike(self, plan: ShardingPlan) -> None:
+        """Where Keras computes attention on local blocks (keras 3.16), every
+        layer of the model hands on its output with the batch cut over the
+        batch axis only (`batch_cut_on_batch_axis`), so that attention's
+        query, key, value and mask are cut alike."""
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = ()
+        if not keras_private.torch_attention_on_local_blocks():
+            return
+        names = plan.mesh.axis_names
+        axis = names.index(plan.batch_axis) if plan.batch_axis in names else None
+        hook = functools.partial(_outputs_cut_alike, axis)
+        self._output_hooks = tuple(
+            layer.register_forward_hook(hook)
+            for layer in keras_private.all_layers(self.inner)
+        )
 
     @property
     def plan(self) -> ShardingPlan:
@@ -129,6 +158,16 @@ class TorchShardedModel(keras.Model):
             return super().test_step(
                 (x, self.gather_batch(y), self.gather_batch(sample_weight))
             )
+
+
+def _outputs_cut_alike(batch_mesh_dim, layer, args, outputs):
+    """Forward hook: `outputs` with `batch_cut_on_batch_axis`, or `None`
+    (kept as they are) when no output changes."""
+    flat = tree.flatten(outputs)
+    cut = [batch_cut_on_batch_axis(value, batch_mesh_dim) for value in flat]
+    if all(new is old for new, old in zip(cut, flat)):
+        return None
+    return tree.pack_sequence_as(outputs, cut)
 
 
 def _to_replicated_plain(value):
