@@ -46,6 +46,7 @@ Everything is bytes per device; `peak_bytes` is the sum.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from keras_autoshard.graph.axis_graph import AxisGraph
@@ -347,6 +348,7 @@ def accelerator_peak(
     order = layer_calls(graph)
     position = {layer: i for i, layer in enumerate(order)}
     last = len(order)
+    assignment = held_as_partitioned(graph, assignment)
     residuals = graph.residuals_within_layers if remat else graph.residuals
     # Bytes kept until the backward pass finishes the stage at each
     # position (a residual no layer reads is kept to the end, `last`).
@@ -392,6 +394,66 @@ def accelerator_peak(
         workspace = largest.get(stage, 0.0)
         best = max(best, (kept + made + workspace, kept, made, workspace))
     return best[1], best[2], best[3]
+
+
+def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
+    """The sharding XLA's partitioner gives the activations once it has
+    propagated the storage cuts of parameters that no matrix product reads.
+
+    A one-dimensional parameter read only elementwise (a norm's scale, a
+    bias) and stored cut over a mesh axis on a dim its class's activations
+    do not cut (an FSDP-style storage cut) is not gathered: the partitioner
+    cuts the activations it multiplies or adds over that axis instead, and
+    with them the residual stream between layers (the activations a layer
+    reads from outside its call, what a rematerialized call keeps), except
+    the outputs of the layer owning the parameter, which the plan pins
+    whole. Read off XLA:GPU's program of a Llama at Llama-2-70B widths on
+    16x16 whose feed-forward norm scale is stored cut over `model`: the
+    row-parallel outputs are reduce-scattered over `model` on the hidden
+    dim, and each layer's checkpointed input is held a sixteenth as large.
+    Inside a layer the activations keep the plan's cuts; a table read by a
+    gather (an embedding cut over `model` on its hidden dim, Llama-2-70B on
+    32x8) moves nothing: its compiled layers' inputs are held whole.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding.
+
+    Returns:
+        `assignment` with those activations' cuts added.
+    """
+    drifted: dict[int, str] = {}
+    pinned: set[int] = set()
+    outputs_of = dict(graph.scope_outputs)
+    unread = set(graph.unread)
+    for tensor in graph.tensors:
+        if tensor.kind != "param" or len(tensor.shape) != 1:
+            continue  # a table read by a gather, a kernel: gathered
+        if tensor.id in graph.matmul_operand_ids or tensor.id in unread:
+            continue  # nothing elementwise to propagate from
+        for dim, axis in assignment.fsdp.get(tensor.name, ()):
+            cls = tensor.dim_classes[dim]
+            if cls is None or assignment.class_axis.get(cls) is not None:
+                continue
+            drifted.setdefault(cls, axis)
+            pinned.update(outputs_of.get(tensor.name.rsplit("/", 1)[0], ()))
+    if not drifted:
+        return assignment
+    cuts = dict(assignment.activation_cuts)
+    between_layers = {t for _, ids in graph.layer_inputs for t in ids}
+    for tensor in graph.tensors:
+        if tensor.id not in between_layers or tensor.id in pinned:
+            continue
+        used = set(tensor_axes(tensor, assignment))
+        added = []
+        for dim, cls in enumerate(tensor.dim_classes):
+            axis = drifted.get(cls)
+            if axis is not None and axis not in used:
+                added.append((dim, axis))
+                used.add(axis)
+        if added:
+            cuts[tensor.id] = tuple(cuts.get(tensor.id, ())) + tuple(added)
+    return dataclasses.replace(assignment, activation_cuts=cuts)
 
 
 def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:

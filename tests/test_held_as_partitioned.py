@@ -1,0 +1,111 @@
+"""The activations XLA's partitioner cuts after a storage cut it does not
+gather (`memory_model.held_as_partitioned`), on a model written here."""
+
+from __future__ import annotations
+
+import jax
+import keras
+
+from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.planner.cost_model import Assignment, local_bytes, tensor_axes
+from keras_autoshard.planner.memory_model import held_as_partitioned
+from keras_autoshard.trace.tracer import trace_model
+
+HIDDEN = 64
+
+
+class Scale(keras.layers.Layer):
+    """A norm's scale: a one-dimensional weight read elementwise."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(HIDDEN,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+class Block(keras.layers.Layer):
+    """A residual block: a scale, then two matrix products. The plan pins
+    the output of a layer whose weight is cut for storage only (the
+    scale's), so the block's own output is free to drift."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = Scale(name="norm")
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+        self.up = self.add_weight(shape=(HIDDEN, 4 * HIDDEN), name="up")
+        self.down = self.add_weight(shape=(4 * HIDDEN, HIDDEN), name="down")
+
+    def call(self, x):
+        h = keras.ops.relu(keras.ops.matmul(self.norm(x), self.up))
+        return x + keras.ops.matmul(h, self.down)
+
+
+def _graph():
+    tokens = keras.Input((16,), dtype="int32", batch_size=8)
+    x = keras.layers.Embedding(100, HIDDEN, name="table")(tokens)
+    for i in range(3):
+        x = Block(name=f"block_{i}")(x)
+    model = keras.Model(tokens, x)
+    traced = trace_model(model, jax.ShapeDtypeStruct((8, 16), "int32"))
+    return build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+
+
+def _hidden_class(graph):
+    return graph.param("block_0/norm/scale").dim_classes[0]
+
+
+def _layer_input_ids(graph):
+    return {t for _, ids in graph.layer_inputs for t in ids}
+
+
+def test_a_scale_stored_cut_on_an_uncut_class_cuts_the_stream_between_layers():
+    graph = _graph()
+    hidden = _hidden_class(graph)
+    fsdp = {f"block_{i}/norm/scale": ((0, "model"),) for i in range(3)}
+    held = held_as_partitioned(graph, Assignment(class_axis={}, fsdp=fsdp))
+    between = _layer_input_ids(graph)
+    assert len(between) >= 3
+    sizes = {"batch": 2, "model": 4}
+    for tensor_id in between:
+        tensor = graph.tensors[tensor_id]
+        assert hidden in tensor.dim_classes
+        dim = tensor.dim_classes.index(hidden)
+        assert (dim, "model") in held.activation_cuts[tensor_id]
+        whole = local_bytes(tensor, Assignment(class_axis={}), sizes)
+        assert local_bytes(tensor, held, sizes) == whole / 4
+    # Inside a layer the plan's cuts stay: only the stream between layers.
+    inside = [
+        t.id
+        for t in graph.tensors
+        if t.kind == "activation" and hidden in t.dim_classes and t.id not in between
+    ]
+    assert inside and not any(t in held.activation_cuts for t in inside)
+
+
+def test_no_drift_where_the_class_is_computed_cut_or_the_axis_is_taken():
+    graph = _graph()
+    hidden = _hidden_class(graph)
+    fsdp = {"block_1/norm/scale": ((0, "model"),)}
+    # The class is computed cut over `batch`: the scale is gathered with it.
+    computed = Assignment(class_axis={hidden: "batch"}, fsdp=fsdp)
+    assert held_as_partitioned(graph, computed) == computed
+    # The activations' batch dim already takes the axis the scale is cut on.
+    batch = graph.tensors[next(iter(_layer_input_ids(graph)))].dim_classes[0]
+    taken = Assignment(class_axis={batch: "model"}, fsdp=fsdp)
+    held = held_as_partitioned(graph, taken)
+    for tensor_id in _layer_input_ids(graph):
+        assert tensor_axes(graph.tensors[tensor_id], held).count("model") == 1
+
+
+def test_a_table_or_kernel_cut_for_storage_moves_no_activation():
+    """A gathered table (the embedding, read by a gather) and a matrix
+    product's kernel are all-gathered where they are read: XLA:GPU's
+    Llama-2-70B on 32x8, its table cut over `model` on the hidden dim,
+    holds its layers' inputs whole."""
+    graph = _graph()
+    fsdp = {"table/embeddings": ((1, "model"),), "block_0/up": ((0, "model"),)}
+    assignment = Assignment(class_axis={}, fsdp=fsdp)
+    assert held_as_partitioned(graph, assignment) == assignment
