@@ -122,6 +122,15 @@ BENCHMARKS = {
             "estimated vs compiled peak memory per device; real sizes planned",
         ),
         Benchmark(
+            "memory_truth_gpu",
+            "benchmarks.memory_truth_gpu",
+            "memory-truth-gpu",
+            ("--models", "llama"),
+            "the zoo's plans made for H100s, compiled by XLA:GPU without a GPU: "
+            "estimated vs compiled peak, collective bytes vs hand-written "
+            "Megatron (gpu-compile extra)",
+        ),
+        Benchmark(
             "real_size_gpu",
             "benchmarks.real_size_gpu",
             "real-size-gpu",

@@ -115,6 +115,53 @@ REAL_SIZES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class TruthSetting:
+    """What one row of the zoo table asks the planner for: the model, its
+    batch, the mesh, the dtype policy and the levers requested.
+
+    Args:
+        model: The zoo model's name (or "gemma + LoRA r4").
+        policy: What the row says of the dtype policy and levers.
+        dtype_policy: The Keras dtype policy the model is planned, built and
+            compiled under.
+        build: Builds the model.
+        x: One global batch of inputs.
+        mesh_shape: `(batch, model)` sizes of the mesh.
+        rematerialize: `plan`'s `rematerialize`.
+        budget_share: The memory budget as a share of the peak of the plan
+            made without one (`None`: no budget).
+    """
+
+    model: str
+    policy: str
+    dtype_policy: str
+    build: Callable
+    x: Any
+    mesh_shape: tuple[int, int]
+    rematerialize: str = "auto"
+    budget_share: float | None = None
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The row's dtype policy as the global one, float32 after."""
+        return _policy(self.dtype_policy)
+
+    def plan(self, hardware: str | None = None):
+        """The planner's plan for this row (call it within `scope()`); with
+        `hardware`, made for that profile (its compiler's estimate), the
+        budget share then of that profile's plan without a budget."""
+        from keras_autoshard import MeshSpec, plan
+
+        mesh = MeshSpec(self.mesh_shape, ("batch", "model"))
+        options: dict[str, Any] = {"rematerialize": self.rematerialize}
+        if hardware is not None:
+            options["hardware"] = hardware
+        if self.budget_share is not None:
+            free = plan(self.build, mesh, self.x, **options)
+            options["memory_budget"] = int(self.budget_share * free.estimate.peak_bytes)
+        return plan(self.build, mesh, self.x, **options)
+
+
 @dataclasses.dataclass
 class TruthCase:
     """One row of the zoo table: a plan, the model it is for, one batch.
@@ -125,6 +172,7 @@ class TruthCase:
         sharding_plan: The plan.
         build: Builds the model.
         x: One global batch of inputs.
+        setting: What the row asked the planner for (`None` if not known).
     """
 
     model: str
@@ -132,6 +180,7 @@ class TruthCase:
     sharding_plan: Any
     build: Callable
     x: Any
+    setting: TruthSetting | None = None
 
     @property
     def mesh(self) -> str:
@@ -168,13 +217,30 @@ class TruthCase:
         }
 
 
+def truth_settings() -> Iterator[TruthSetting]:
+    """What each row of the zoo table asks the planner for, in the table's
+    order: plans that rematerialize, a LoRA fine-tune, then the planner's
+    free plans."""
+    yield from remat_settings()
+    yield from lora_settings()
+    yield from free_settings()
+
+
 def truth_cases() -> Iterator[TruthCase]:
-    """The zoo table's cases in its order: plans that rematerialize, a LoRA
-    fine-tune, then the planner's free plans. Each is yielded under its
-    dtype policy (build and compile it before the next)."""
-    yield from remat_cases()
-    yield from lora_cases()
-    yield from free_cases()
+    """The zoo table's cases in its order, planned for the simulated CPU
+    devices. Each is yielded under its dtype policy (build and compile it
+    before the next)."""
+    for setting in truth_settings():
+        with setting.scope():
+            sharding_plan = setting.plan()
+            yield TruthCase(
+                setting.model,
+                setting.policy,
+                sharding_plan,
+                setting.build,
+                setting.x,
+                setting,
+            )
 
 
 def zoo_rows() -> list[dict]:
@@ -211,20 +277,16 @@ def _policy(name: str):
         keras.mixed_precision.set_global_policy("float32")
 
 
-def free_cases() -> Iterator[TruthCase]:
+def free_settings() -> Iterator[TruthSetting]:
     """Every zoo model planned with no budget on each mesh (float32), and
     on 2x4 under `mixed_bfloat16`."""
     from benchmarks import zoo
-    from keras_autoshard import MeshSpec, plan
 
     cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
     for policy, shape in cases:
-        with _policy(policy):
-            for name in sorted(zoo.ZOO):
-                build, batch = zoo.ZOO[name]
-                x = batch()
-                sharding_plan = plan(build, MeshSpec(shape, ("batch", "model")), x)
-                yield TruthCase(name, policy, sharding_plan, build, x)
+        for name in sorted(zoo.ZOO):
+            build, batch = zoo.ZOO[name]
+            yield TruthSetting(name, policy, policy, build, batch(), shape)
 
 
 # Zoo models planned under a budget that needs rematerialization: share of
@@ -235,39 +297,37 @@ REMAT_CASES = (("llama", 0.7), ("subclassed", 0.75))
 REMAT_ZOO = ("bert", "gemma", "gpt2", "llama", "opt", "subclassed")
 
 
-def remat_cases() -> Iterator[TruthCase]:
+def remat_settings() -> Iterator[TruthSetting]:
     """Plans that rematerialize: the planner's own under budgets that need
     it (trained as the plan says, accumulation included), then every layer
     rematerialized on each mesh and once under `mixed_bfloat16`."""
     from benchmarks import zoo
-    from keras_autoshard import MeshSpec, plan
 
-    mesh = MeshSpec((2, 4), ("batch", "model"))
     for name, share in REMAT_CASES:
         build, batch = zoo.ZOO[name]
-        x = batch()
-        free = plan(build, mesh, x)
-        budget = int(share * free.estimate.peak_bytes)
-        fitted = plan(build, mesh, x, memory_budget=budget)
         policy = f"float32, budget {share:.0%} of the free peak"
-        yield TruthCase(name, policy, fitted, build, x)
+        yield TruthSetting(
+            name, policy, "float32", build, batch(), (2, 4), budget_share=share
+        )
     cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
     for policy, shape in cases:
-        with _policy(policy):
-            for name in REMAT_ZOO:
-                build, batch = zoo.ZOO[name]
-                x = batch()
-                every = plan(
-                    build, MeshSpec(shape, ("batch", "model")), x, rematerialize="all"
-                )
-                yield TruthCase(name, f"{policy}, remat all", every, build, x)
+        for name in REMAT_ZOO:
+            build, batch = zoo.ZOO[name]
+            yield TruthSetting(
+                name,
+                f"{policy}, remat all",
+                policy,
+                build,
+                batch(),
+                shape,
+                rematerialize="all",
+            )
 
 
-def lora_cases() -> Iterator[TruthCase]:
+def lora_settings() -> Iterator[TruthSetting]:
     """A Gemma-shaped backbone with `enable_lora(rank=4)` on each mesh:
     optimizer state for the LoRA kernels only."""
     from benchmarks import zoo
-    from keras_autoshard import MeshSpec, plan
 
     def build():
         model = zoo.gemma()
@@ -276,9 +336,8 @@ def lora_cases() -> Iterator[TruthCase]:
 
     x = zoo.ZOO["gemma"][1]()
     for shape in MESHES:
-        sharding_plan = plan(build, MeshSpec(shape, ("batch", "model")), x)
-        yield TruthCase(
-            "gemma + LoRA r4", "float32, LoRA kernels train", sharding_plan, build, x
+        yield TruthSetting(
+            "gemma + LoRA r4", "float32, LoRA kernels train", "float32", build, x, shape
         )
 
 
@@ -469,7 +528,8 @@ def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
         "of those orders (`report/hlo/schedules.py`; no buffer sharing or "
         "packing); the estimate over that least ranges from "
         f"{min(replayed, default=0):.2f} to {max(replayed, default=0):.2f}. "
-        "The same plans compiled for 8 H200s are in the next section. "
+        "The same rows planned for H100s and compiled by XLA:GPU are in the next "
+        "section. "
         "Regenerate with:\n\n"
         f"```\n{command}\n```\n\n{zoo_table}\n"
     )

@@ -350,6 +350,7 @@ def test_bench_lists_every_benchmark_with_its_section():
         ("strategies", "sharding-strategies"),
         ("plan_70b", "planning-70b"),
         ("checkpoint_loading", "checkpoint-loading"),
+        ("memory_truth_gpu", "memory-truth-gpu"),
         ("real_size_gpu", "real-size-gpu"),
     ]:
         assert name in result.stdout
