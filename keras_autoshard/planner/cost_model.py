@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
+from keras_autoshard.planner.linear_program import SolveOutcome
 from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
 
@@ -67,6 +68,8 @@ class Assignment:
         activation_cuts: Activation tensor id → ((dim, mesh axis), ...) cut
             beyond its class's axis (sequence parallelism,
             `planner/sequence_parallel.py`).
+        search: How the solver ended the program this sharding came from
+            (`linear_program.SolveOutcome`; `None` for one made otherwise).
     """
 
     class_axis: Mapping[int, str]
@@ -76,6 +79,7 @@ class Assignment:
     activation_cuts: Mapping[int, tuple[tuple[int, str], ...]] = dataclasses.field(
         default_factory=dict
     )
+    search: SolveOutcome | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

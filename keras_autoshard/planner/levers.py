@@ -381,6 +381,7 @@ def _candidate(
             asked_micro_batches=options.gradient_accumulation_steps is not None,
         )
         + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
+        search=None if assignment.search is None else assignment.search.describe(),
     )
     return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
 

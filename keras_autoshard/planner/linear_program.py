@@ -13,6 +13,50 @@ from keras_autoshard.errors import InfeasibleError  # noqa: F401
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class SolveOutcome:
+    """How the solver ended one program.
+
+    Args:
+        status: `"optimal"` (proved within the relative gap the solver is
+            given, 1e-6), `"node limit"` or `"time limit"` (stopped early:
+            the best solution found is used).
+        gap: HiGHS's relative optimality gap of that solution, `|objective
+            - dual bound| / |objective|` (0 when proved optimal; `None`
+            where the solver gives none).
+        nodes: Branch-and-bound nodes explored.
+    """
+
+    status: str
+    gap: float | None = None
+    nodes: int | None = None
+
+    def describe(self) -> str:
+        """In words, e.g. "optimal (23 nodes)"."""
+        gap = "" if self.gap is None else f", optimality gap {self.gap:.2%}"
+        nodes = "" if self.nodes is None else f", {self.nodes} nodes"
+        if self.status == "optimal":
+            return f"optimal{nodes}"
+        return f"stopped at the {self.status}: best plan found{gap}{nodes}"
+
+
+def _outcome(result) -> SolveOutcome:
+    gap = getattr(result, "mip_gap", None)
+    nodes = getattr(result, "mip_node_count", None)
+    if result.status == 0:
+        status = "optimal"
+    else:
+        # HiGHS ends a search stopped by its node limit with "Solution limit
+        # reached" (status 16, which SciPy does not name).
+        message = str(result.message).lower()
+        status = "time limit" if "time limit" in message else "node limit"
+    return SolveOutcome(
+        status=status,
+        gap=None if gap is None or not np.isfinite(gap) else float(gap),
+        nodes=None if nodes is None else int(nodes),
+    )
+
+
 @dataclasses.dataclass
 class LinearProgram:
     """Variables with bounds and costs, and linear rows `lb <= a.x <= ub`.
@@ -36,6 +80,8 @@ class LinearProgram:
     rows: list[dict[int, float]] = dataclasses.field(default_factory=list)
     row_lower: list[float] = dataclasses.field(default_factory=list)
     row_upper: list[float] = dataclasses.field(default_factory=list)
+    # How the last `solve` ended.
+    outcome: SolveOutcome | None = None
 
     @property
     def num_vars(self) -> int:
@@ -74,7 +120,8 @@ class LinearProgram:
     def solve(
         self, time_limit_s: float = 60.0, node_limit: int | None = None
     ) -> np.ndarray:
-        """Solve; returns the variable values (integers rounded).
+        """Solve; returns the variable values (integers rounded). How the
+        solver ended is left in `outcome`.
 
         Args:
             time_limit_s: Wall-clock limit of the solver.
@@ -84,6 +131,7 @@ class LinearProgram:
                 infeasible (`InfeasibleError`).
         """
         if self.num_vars == 0:
+            self.outcome = SolveOutcome("optimal", 0.0, 0)
             return np.zeros(0)
         data, row_index, col_index = [], [], []
         for r, row in enumerate(self.rows):
@@ -112,6 +160,7 @@ class LinearProgram:
         )
         if result.x is None:
             raise InfeasibleError(f"No solution: {result.message}")
+        self.outcome = _outcome(result)
         if result.status != 0:
             logger.warning(
                 "MILP stopped early (%s); using best plan found.", result.message

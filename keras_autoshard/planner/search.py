@@ -459,7 +459,9 @@ class _Program:
                 if values[var] > 0.5:
                     fsdp.setdefault(name, []).append((dim, axis))
         return Assignment(
-            class_axis=class_axis, fsdp={k: tuple(v) for k, v in fsdp.items()}
+            class_axis=class_axis,
+            fsdp={k: tuple(v) for k, v in fsdp.items()},
+            search=self.lp.outcome,
         )
 
 

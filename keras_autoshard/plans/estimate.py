@@ -87,6 +87,10 @@ class PlanEstimate:
             `"XLA:CPU"` (simulated devices, and plans without a profile
             on a CPU host), `"XLA:GPU"` or `"XLA:TPU"` (a profile or the
             devices of that platform).
+        search: How the exact search ended, in words: `"optimal, N nodes"`,
+            or where a budgeted search stopped at its node or time limit,
+            the best plan found and its optimality gap (`None`: a plan
+            not made by the search, or read from an older file).
 
     Example:
 
@@ -112,6 +116,7 @@ class PlanEstimate:
     recompute_flops: float = 0.0
     levers: tuple[str, ...] = ()
     compiler: str = "XLA:CPU"
+    search: str | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -146,6 +151,7 @@ class PlanEstimate:
         data["recompute_flops"] = float(self.recompute_flops)
         data["levers"] = list(self.levers)
         data["compiler"] = self.compiler
+        data["search"] = self.search
         return data
 
     @classmethod
@@ -165,6 +171,7 @@ class PlanEstimate:
             levers=tuple(data.get("levers") or ()),
             # Plans written before estimates followed a GPU's compiler.
             compiler=data.get("compiler", "XLA:CPU"),
+            search=data.get("search"),
         )
 
     def lines(self) -> list[tuple[str, int]]:

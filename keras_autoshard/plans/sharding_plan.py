@@ -277,6 +277,8 @@ class ShardingPlan:
     def explain(self) -> str:
         """Why each variable is cut as it is: its roles and the deciding cost."""
         lines = [f"Plan on mesh {self.mesh.describe()}, batch on {self.batch_axis!r}"]
+        if self.estimate is not None and self.estimate.search is not None:
+            lines.append(f"search: {self.estimate.search}")
         for v in self.variables:
             roles = ", ".join(r or "?" for r in v.roles)
             spec = ", ".join(a or "-" for a in v.spec)
