@@ -116,7 +116,7 @@ def render(rows: Sequence[dict]) -> str:
         "output, a row-parallel output and its all-reduced copy) and "
         "transposed copies of kernels, where the estimate counts two "
         "(the buffers live at the peak of Gemma and Llama on 2x4, "
-        "`xla_dump_to`); Gemma on 8x1 (0.73) holds its gathered token table "
+        "`xla_dump_to`); Gemma on 8x1 holds its gathered token table "
         "(for the logits) through the whole decode loop beside six "
         "transposed kernel copies XLA:CPU makes for its matmuls. "
         "KerasHub makes the cache inside "

@@ -56,6 +56,7 @@ from benchmarks.markdown import (  # noqa: E402
     write_section,
 )
 from benchmarks.report import machine_description  # noqa: E402
+from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
 
 SECTION_NAME = "memory-truth"
@@ -592,13 +593,15 @@ def render(zoo: Sequence[dict], real: Sequence[dict], command: str) -> str:
             "\n### Real sizes, no weights allocated (`mixed_bfloat16`)\n\n"
             "Each planned in a fresh process on this machine, twice (the last "
             "column compares the two plans' JSON), with the H100-80GB profile: "
-            "its usable memory (76 GiB) is the budget, plans fill at most 90 % "
-            "of it, and step time is the objective among plans that fit. The "
+            "its usable memory (76 GiB) is the budget, plans fill at most "
+            f"{1 - HEADROOM['XLA:GPU']:.0%} of it (`HEADROOM`), and step "
+            "time is the objective among plans that fit. The "
             "search bounds the whole peak and chooses rematerialization of "
             "repeated layers (fewest that fit) and, only when nothing else "
             "fits, gradient accumulation; weights stored cut (FSDP) count their "
             "gathered copies the backward pass keeps. Sequence parallelism is "
-            "not offered (tried: on XLA it compiled to a higher peak). Published "
+            "used only where asked (`sequence_parallel='auto'`, the row so "
+            "named). Published "
             "configurations for comparison:\n\n"
             f"{published}\n\n{real_table}\n"
         )

@@ -40,6 +40,7 @@ def main() -> None:
     from benchmarks.markdown import short_levers, write_section
     from keras_autoshard import MeshSpec
     from keras_autoshard.planner.planner import plan_with_cost
+    from keras_autoshard.plans.estimate import HEADROOM
     from keras_autoshard.plans.plan_table import format_bytes
 
     def build():
@@ -94,7 +95,8 @@ def main() -> None:
         f"{args.seq}` (one process, plans made one after the other; 2-core CPU; "
         "float32). With a hardware profile its memory is the budget of the "
         "whole peak (parameters, gradients, optimizer state, activations kept "
-        "for the backward pass, inputs, transients; plans fill at most 90 %): "
+        "for the backward pass, inputs, transients; plans fill at most "
+        f"{1 - HEADROOM['XLA:GPU']:.0%} of it, `HEADROOM`): "
         "the planner adds FSDP-style sharding over the data axis, "
         "rematerializes layers and, last, accumulates gradients over "
         "micro-batches. Without one nothing bounds the peak (the activations "

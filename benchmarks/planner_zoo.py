@@ -262,7 +262,7 @@ parameters it cuts for storage only (lookup and position tables), so XLA \
 gathers once instead of carrying the cut through the residual stream. On \
 the 8x1 mesh the budget leaves one plan, every matrix FSDP-cut over the \
 data axis and the table cut along its hidden dim, which is what KerasHub's \
-map writes there: the same collectives, byte for byte (1.00). \
+map writes there: the same collectives, byte for byte. \
 Step ratios divide the median `train_on_batch` wall time by the \
 single-device run in the same process; with 8 devices simulated on 2 CPU \
 cores they are noisy and not a forecast for accelerators."""
