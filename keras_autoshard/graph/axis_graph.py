@@ -342,6 +342,9 @@ class AxisGraph:
             generation cache stores them (`graph/kv_cache.py`).
         matmul_operands: Tensor ids read by a matrix product
             (`dot_general`) or a convolution, as either operand.
+        several_outputs: Layer paths some call of which returns more than
+            one tensor (`graph/layer_calls.py`): Keras would lay them all
+            out by the one layout it asks for the layer's output.
 
     Example:
 
@@ -374,6 +377,7 @@ class AxisGraph:
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
+    several_outputs: tuple[str, ...] = ()
 
     def for_platform(self, platform: str) -> AxisGraph:
         """This graph as the compiler of `platform` keeps residuals: itself

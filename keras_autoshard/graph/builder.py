@@ -93,6 +93,7 @@ from keras_autoshard.graph.jaxpr.walker import (
     has_grad,
 )
 from keras_autoshard.graph.kv_cache import key_value_pairs
+from keras_autoshard.graph.layer_calls import CallReturns
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,11 @@ def build_axis_graph(
     ]
     const_tids = [builder.new_tensor(v.aval, "constant") for v in jaxpr.constvars]
     outputs = Walker(builder).walk(jaxpr, const_tids, in_tids, multiplicity=1)
-    return dataclasses.replace(builder.build(), outputs=tuple(outputs))
+    return dataclasses.replace(
+        builder.build(),
+        outputs=tuple(outputs),
+        several_outputs=builder.calls.several_outputs(outputs),
+    )
 
 
 def _check_invar_kinds(
@@ -206,6 +211,7 @@ class _GraphBuilder:
         # Name scope (Keras layer path) -> the last tensor of each call.
         self.scope_outputs: dict[str, list[int]] = {}
         self._open_scopes: frozenset[str] = frozenset()
+        self.calls = CallReturns()
         self.layers = ScopeTracker(unit_of)
         # (tensor id, bytes per tensor byte) -> times kept (loop trips).
         self.residuals: dict[tuple[int, float], int] = {}

@@ -193,7 +193,11 @@ def _layout_of_every_call(
 ) -> tuple[str | None, ...] | None:
     """The planned layout of the output of every call of the layer at
     `scope`, or `None` when the calls differ (Keras asks one layout per
-    layer path) or there is none."""
+    layer path), a call returns several tensors (Keras would give each the
+    one layout, and a functional model's build hands the tuple of symbolic
+    tensors to `jax.device_put`) or there is none."""
+    if scope in graph.several_outputs:
+        return None
     layouts = {
         tensor_axes(graph.tensors[t], assignment) for t in graph.layer_outputs(scope)
     }

@@ -67,7 +67,11 @@ def _reshape_groups(
 @primitive_rule("reshape")
 def _rule_reshape(e: Eqn) -> list[int]:
     operand, out = e.ins[0], e.fresh_outputs()[0]
-    groups = _reshape_groups(e.shape(operand), e.shape(out))
+    in_shape, out_shape = e.shape(operand), e.shape(out)
+    if e.params.get("dimensions") is None and 0 in in_shape:
+        _map_empty_reshape(e, operand, out)
+        return [out]
+    groups = _reshape_groups(in_shape, out_shape)
     if e.params.get("dimensions") is not None or groups is None:
         reason = "reshape with no contiguous factorisation"
         e.mark_all(operand, reason)
@@ -77,6 +81,36 @@ def _rule_reshape(e: Eqn) -> list[int]:
         _map_reshape_group(e, operand, out, group_in, group_out)
     e.builder.record_view(operand, out)
     return [out]
+
+
+def _map_empty_reshape(e: Eqn, operand: int, out: int) -> None:
+    """A reshape of an empty tensor moves no elements, and no product of
+    sizes tells how its dims regroup (GPT-NeoX's rotary embedding turns the
+    first 0 of a head's features when its rotary share rounds down to 0).
+    The dims that match at either end are the same dims; the others are
+    kept whole."""
+    in_shape, out_shape = e.shape(operand), e.shape(out)
+    ins = [d for d, s in enumerate(in_shape) if s != 1]
+    outs = [d for d, s in enumerate(out_shape) if s != 1]
+    shorter = min(len(ins), len(outs))
+    head = 0
+    while head < shorter and in_shape[ins[head]] == out_shape[outs[head]]:
+        head += 1
+    tail = 0
+    while (
+        head + tail < shorter and in_shape[ins[-1 - tail]] == out_shape[outs[-1 - tail]]
+    ):
+        tail += 1
+    matched = list(zip(ins[:head], outs[:head]))
+    matched += list(zip(ins[len(ins) - tail :], outs[len(outs) - tail :]))
+    for in_dim, out_dim in matched:
+        e.unify(operand, in_dim, out, out_dim)
+    reason = f"reshape {tuple(in_shape)}->{tuple(out_shape)} of an empty tensor"
+    for dim in ins[head : len(ins) - tail]:
+        e.mark(operand, dim, reason)
+    for dim in outs[head : len(outs) - tail]:
+        e.mark(out, dim, reason)
+    e.builder.record_view(operand, out)
 
 
 def _map_reshape_group(

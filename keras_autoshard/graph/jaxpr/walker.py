@@ -173,8 +173,11 @@ class Walker:
                 outs = self._apply(walked)
                 self.builder.record_residuals(walked, outs)
                 env.update(zip(eqn.outvars, outs))
-                if self._depth == 1 and outs:
-                    self.builder.record_scope(str(eqn.source_info.name_stack), outs)
+                if self._depth == 1:
+                    name_stack = str(eqn.source_info.name_stack)
+                    self.builder.calls.record(name_stack, ins, outs)
+                    if outs:
+                        self.builder.record_scope(name_stack, outs)
         finally:
             self._depth -= 1
         return [self._read(env, atom) for atom in jaxpr.outvars]
