@@ -28,6 +28,10 @@ def test_gradient_accumulation_is_chosen_only_when_nothing_else_fits():
     budget = int(0.45 * estimate.peak_bytes)
     with pytest.raises(PlanError, match="No plan fits"):
         plan(build, MESH, x, memory_budget=int(0.2 * state))
+    # Nothing else fits: every plan of the whole batch (any sharding, any
+    # rematerialization) is over the budget.
+    with pytest.raises(PlanError, match="No plan fits"):
+        plan(build, MESH, x, memory_budget=budget, gradient_accumulation_steps=1)
     accumulated = plan(build, MESH, x, memory_budget=budget)
     steps = accumulated.gradient_accumulation_steps
     assert steps > 1
