@@ -255,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = "python -m benchmarks.checkpoint_loading" + (
         f" --size-gib {args.size_gib:g}" if args.size_gib != 2.0 else ""
     )
+    command += " --output BENCHMARKS.md"
     section = render(results, command)
     print(section)
     if args.output:

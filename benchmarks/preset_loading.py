@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.child_load:
         print(json.dumps(measure_load(args.child_load, args.loader)))
         return
-    command = "python -m benchmarks.preset_loading"
+    command = "python -m benchmarks.preset_loading --output BENCHMARKS.md"
     markdown = render(run(), command)
     print(markdown)
     if args.output:
