@@ -257,9 +257,12 @@ parameters and optimizer state replaced by that share); *budget \
 state/device* is its measured parameter + optimizer bytes per device (from \
 the arrays' addressable shards) against that share, and the \
 second *÷ KerasHub map* compares its collective bytes to the KerasHub map. \
-Under the budget the planner pins the output of every layer whose \
+Under the budget the planner pins the output of a layer whose \
 parameters it cuts for storage only (lookup and position tables), so XLA \
-gathers once instead of carrying the cut through the residual stream. On \
+gathers once instead of carrying the cut through the residual stream, \
+except where a norm scale or bias cut for storage over the same axis makes \
+XLA hold the stream cut over it anyway (a pin would gather the output only \
+for it to be cut again). On \
 the 8x1 mesh the budget leaves one plan, every matrix FSDP-cut over the \
 data axis and the table cut along its hidden dim, which is what KerasHub's \
 map writes there: the same collectives, byte for byte. \

@@ -396,35 +396,26 @@ def accelerator_peak(
     return best[1], best[2], best[3]
 
 
-def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
-    """The sharding XLA's partitioner gives the activations once it has
-    propagated the storage cuts of parameters that no matrix product reads.
+def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:
+    """The storage cuts that XLA's partitioner carries into the activations.
 
     A one-dimensional parameter read only elementwise (a norm's scale, a
     bias) and stored cut over a mesh axis on a dim its class's activations
     do not cut (an FSDP-style storage cut) is not gathered: the partitioner
     cuts the activations it multiplies or adds over that axis instead, and
-    with them the residual stream between layers (the activations a layer
-    reads from outside its call, what a rematerialized call keeps), except
-    the outputs of the layer owning the parameter, which the plan pins
-    whole. Read off XLA:GPU's program of a Llama at Llama-2-70B widths on
-    16x16 whose feed-forward norm scale is stored cut over `model`: the
-    row-parallel outputs are reduce-scattered over `model` on the hidden
-    dim, and each layer's checkpointed input is held a sixteenth as large.
-    Inside a layer the activations keep the plan's cuts; a table read by a
-    gather (an embedding cut over `model` on its hidden dim, Llama-2-70B on
-    32x8) moves nothing: its compiled layers' inputs are held whole.
+    with them the residual stream between layers. A table read by a gather
+    or a kernel read by a matrix product is gathered instead.
 
     Args:
         graph: The model's axis graph.
         assignment: The candidate sharding.
 
     Returns:
-        `assignment` with those activations' cuts added.
+        A `StreamDrift`: each such class with its axis, and the parameters
+        that carry their cut into it.
     """
-    drifted: dict[int, str] = {}
-    pinned: set[int] = set()
-    outputs_of = dict(graph.scope_outputs)
+    classes: dict[int, str] = {}
+    sources: set[str] = set()
     unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind != "param" or len(tensor.shape) != 1:
@@ -435,14 +426,56 @@ def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
             cls = tensor.dim_classes[dim]
             if cls is None or assignment.class_axis.get(cls) is not None:
                 continue
-            drifted.setdefault(cls, axis)
-            pinned.update(outputs_of.get(tensor.name.rsplit("/", 1)[0], ()))
+            classes.setdefault(cls, axis)
+            sources.add(tensor.name)
+    return StreamDrift(classes, frozenset(sources))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamDrift:
+    """Storage cuts the partitioner carries into the activations.
+
+    Attributes:
+        classes: Axis class → the mesh axis its activations between layers
+            are held cut over.
+        sources: Names of the one-dimensional parameters whose storage cut
+            does it (the plan pins no output of their layers:
+            `planner/output_layouts.py`).
+    """
+
+    classes: dict[int, str]
+    sources: frozenset[str]
+
+
+def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
+    """The sharding XLA's partitioner gives the activations once it has
+    propagated the storage cuts of parameters that no matrix product reads
+    (`stream_drift`).
+
+    The residual stream between layers (the activations a layer reads from
+    outside its call, what a rematerialized call keeps) is cut over the
+    drifted axis; inside a layer the activations keep the plan's cuts. Read
+    off XLA:GPU's program of a Llama at Llama-2-70B widths on 16x16 whose
+    feed-forward norm scale is stored cut over `model`: the row-parallel
+    outputs are reduce-scattered over `model` on the hidden dim, and each
+    layer's checkpointed input is held a sixteenth as large. A table read by
+    a gather (an embedding cut over `model` on its hidden dim, Llama-2-70B
+    on 32x8) moves nothing: its compiled layers' inputs are held whole.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding.
+
+    Returns:
+        `assignment` with those activations' cuts added.
+    """
+    drifted = stream_drift(graph, assignment).classes
     if not drifted:
         return assignment
     cuts = dict(assignment.activation_cuts)
     between_layers = {t for _, ids in graph.layer_inputs for t in ids}
     for tensor in graph.tensors:
-        if tensor.id not in between_layers or tensor.id in pinned:
+        if tensor.id not in between_layers:
             continue
         used = set(tensor_axes(tensor, assignment))
         added = []
