@@ -3,11 +3,14 @@ compiled programs shared within the run; a deprecation this package's code
 triggers fails the test.
 
 XLA programs that the suite compiles more than once (the same model's step
-on the same devices, in several tests) are compiled once: JAX's
-compilation cache is pointed at a directory made for this run and removed
-after it, for this process only (subprocesses of the tests compile on
-their own). It changes no result: a cached executable is the one the
-compiler made for the same program and options.
+on the same devices, in several tests and test files) are compiled once:
+JAX's compilation cache is pointed at a directory made for this run by the
+first process that loads this file (pytest's own, or its only worker) and
+removed when that process ends; the xdist workers it starts inherit it
+through `KERAS_AUTOSHARD_TEST_XLA_CACHE`. Subprocesses that the tests start
+(torchrun ranks, `jax.distributed` processes) compile on their own. It
+changes no result: a cached executable is the one the compiler made for the
+same program and options.
 """
 
 import atexit
@@ -26,8 +29,11 @@ simulate_devices(8)
 
 import jax  # noqa: E402
 
-_COMPILED = tempfile.mkdtemp(prefix="keras_autoshard_tests_xla_")
-atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+_COMPILED = os.environ.get("KERAS_AUTOSHARD_TEST_XLA_CACHE")
+if _COMPILED is None:
+    _COMPILED = tempfile.mkdtemp(prefix="keras_autoshard_tests_xla_")
+    os.environ["KERAS_AUTOSHARD_TEST_XLA_CACHE"] = _COMPILED
+    atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
