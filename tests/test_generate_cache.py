@@ -154,9 +154,10 @@ def test_generate_estimate_matches_a_compiled_keras_hub_generate_step():
     gathered = re.findall(r"= f32\[([\d,]+)\][^ ]* all-gather\(", compiled.as_text())
     assert not [shape for shape in gathered if shape.endswith(",8,32")], gathered
     peak = executable_peak_bytes(compiled)
-    # Measured 0.83: the prompt's pass holds three residual-stream-sized
-    # activations and transposed kernel copies, where the estimate counts
-    # two (BENCHMARKS.md "generate").
+    # Measured 0.88 (0.83 before the output kernels XLA:CPU copies into
+    # another layout were counted, `cost_model.relaid_weights`): the
+    # prompt's pass holds three residual-stream-sized activations, where
+    # the estimate counts two (BENCHMARKS.md "generate").
     assert 0.8 <= estimate.peak_bytes / peak <= 1.15, (estimate.peak_bytes, peak)
     # The cache XLA keeps (batch, layers, key and value, tokens, heads,
     # head dim) is cut as the estimate says: per device, the bytes of the

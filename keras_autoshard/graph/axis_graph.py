@@ -342,6 +342,12 @@ class AxisGraph:
             generation cache stores them (`graph/kv_cache.py`).
         matmul_operands: Tensor ids read by a matrix product
             (`dot_general`) or a convolution, as either operand.
+        relaid_operands: Operands of a matrix product that XLA copies into
+            another layout before multiplying (`graph/jaxpr/contractions.py`:
+            a product it rewrites to canonical form, whose transpose of the
+            operand moves data): a `(heads, embed, head_dim)` kernel
+            contracted over `embed`, or one read with its contracting dims
+            listed out of their order.
         several_outputs: Layer paths some call of which returns more than
             one tensor (`graph/layer_calls.py`): Keras would lay them all
             out by the one layout it asks for the layer's output.
@@ -377,6 +383,7 @@ class AxisGraph:
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
+    relaid_operands: tuple[int, ...] = ()
     several_outputs: tuple[str, ...] = ()
 
     def for_platform(self, platform: str) -> AxisGraph:

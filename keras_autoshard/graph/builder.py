@@ -97,7 +97,6 @@ from keras_autoshard.graph.layer_calls import CallReturns
 
 logger = logging.getLogger(__name__)
 
-
 INVAR_KINDS = ("param", "state", "input")
 # Equations whose backward pass needs several buffers the size of their
 # operand at once: a max or min pooling's gradient is lowered by XLA to
@@ -243,8 +242,10 @@ class _GraphBuilder:
         # and a repeat's result -> the tensor it repeats (`graph/kv_cache.py`).
         self.activation_products: list[tuple[int, int, int]] = []
         self.repeat_of: dict[int, int] = {}
-        # Operands of every matrix product and convolution (`matmul_operands`).
+        # Operands of every matrix product and convolution (`matmul_operands`),
+        # and those XLA lays out anew for their product (`relaid_operands`).
         self.matmul_operands: set[int] = set()
+        self.relaid_operands: set[int] = set()
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
         """Note what `eqn` keeps for the backward pass (`residuals.py`);
@@ -487,6 +488,7 @@ class _GraphBuilder:
             grouped_convs=tuple(self.grouped_convs),
             key_values=key_value_pairs(self),
             matmul_operands=tuple(sorted(self.matmul_operands)),
+            relaid_operands=tuple(sorted(self.relaid_operands)),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),
             accelerator_residuals=kept_after_fusion(self, accelerator=True),

@@ -36,7 +36,10 @@ activation; gradient accumulation adds no update phase.
 For inference (`predict`), the parameters, the data, the predictions (the
 outputs it returns) and twice the largest activation of the batch (a
 layer's input and output), or once the largest made from weights alone (a
-gathered, transposed table), whichever is more. Generation
+gathered, transposed table), whichever is more; on XLA:CPU, every weight
+it copies into another layout for a matrix product besides
+(`cost_model.relaid_weights`: its default schedule makes them all first,
+live together). Generation
 (`generate`) counts the same but the predictions (only tokens are
 returned), plus the key/value cache: the key and the value of every
 attention (`AxisGraph.key_values`, found by graph shape in
@@ -59,6 +62,7 @@ from keras_autoshard.planner.cost_model import (
     iteration_classes,
     kept_bytes,
     local_bytes,
+    relaid_weights,
     tensor_axes,
     terms_bytes,
     widening,
@@ -147,13 +151,21 @@ def estimate_memory(
             if job == "inference"
             else 0.0
         )
+        # XLA:CPU's default schedule makes every weight's relayout first.
+        relaid = sum(
+            local_bytes(t, assignment, sizes, include_fsdp=False)
+            * widening(t, half_as_single)
+            for t in (relaid_weights(graph) if platform == "cpu" else ())
+        )
         return PlanEstimate(
             parameter_bytes=int(parameters),
             gradient_bytes=0,
             optimizer_bytes=0,
             activation_bytes=0,
             data_bytes=int(inputs),
-            transient_bytes=int(max(2 * largest, largest_derived) + predictions),
+            transient_bytes=int(
+                max(2 * largest, largest_derived) + relaid + predictions
+            ),
             cache_bytes=int(cache),
             job=job,
             compiler=COMPILERS[platform],

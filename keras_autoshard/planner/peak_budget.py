@@ -11,6 +11,8 @@ peak fits:
   rematerialization, each cut like its tensor, and the gathered copies of
   the FSDP-cut weights it keeps;
 - the inputs (cut like them) and targets (cut by the data axes);
+- for inference and generation on XLA:CPU, the weights it copies into
+  another layout for their matrix products (`cost_model.relaid_weights`);
 - the loss's buffers (twice the outputs) and one variable `T` at least as
   large as each candidate transient (three times each of the largest batch
   activations, once each of the largest weight-derived ones (their
@@ -43,7 +45,11 @@ import math
 import numpy as np
 
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
-from keras_autoshard.planner.cost_model import kept_widening, widening
+from keras_autoshard.planner.cost_model import (
+    kept_widening,
+    relaid_weights,
+    widening,
+)
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
 
@@ -125,6 +131,9 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
     if options.job == "inference":  # the predictions predict returns
         for tid in graph.outputs:
             tensor = graph.tensors[tid]
+            add(tensor, False, widening(tensor, half))
+    if not train and not accelerator:  # XLA:CPU makes every relayout first
+        for tensor in relaid_weights(graph):
             add(tensor, False, widening(tensor, half))
     if options.job == "generate":
         for pair in graph.key_values:

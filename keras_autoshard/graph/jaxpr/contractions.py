@@ -38,6 +38,13 @@ def _rule_dot_general(e: Eqn) -> list[int]:
         e.unify(lhs, lhs_dim, rhs, rhs_dim)
     e.event("contract", "forward", [e.element(lhs, d) for d in lhs_contract], out)
     e.builder.note_matmul_operands(lhs, rhs)
+    if _rewritten(e.rank(lhs), e.rank(rhs), lhs_contract, lhs_batch, rhs_batch):
+        for tid, order in (
+            (lhs, (*lhs_batch, *lhs_free, *lhs_contract)),
+            (rhs, (*rhs_batch, *rhs_contract, *rhs_free)),
+        ):
+            if _moves_data(e.shape(tid), order):
+                e.builder.relaid_operands.add(tid)
     if e.builder.is_activation(lhs) and e.builder.is_activation(rhs):
         e.builder.activation_products.append((lhs, rhs, out))
     if e.requires_grad(lhs):
@@ -45,6 +52,30 @@ def _rule_dot_general(e: Eqn) -> list[int]:
     if e.requires_grad(rhs):
         e.event("contract", "backward", [e.element(out, o) for o in lhs_free_out], rhs)
     return [out]
+
+
+def _rewritten(lhs_rank, rhs_rank, contract, lhs_batch, rhs_batch) -> bool:
+    """Whether XLA rewrites a product before multiplying (its
+    `DotDecomposer`): every one but a canonical dot (one contracting dim,
+    at most one free dim per operand, batch dims leading in order). It
+    transposes the operands of those it rewrites, the lhs to (batch, free,
+    contracting) and the rhs to (batch, contracting, free), contracting
+    dims in the order the product lists them."""
+    leading = tuple(range(len(lhs_batch)))
+    return (
+        len(contract) != 1
+        or max(lhs_rank, rhs_rank) > len(lhs_batch) + 2
+        or tuple(lhs_batch) != leading
+        or tuple(rhs_batch) != leading
+    )
+
+
+def _moves_data(shape: tuple[int, ...], order: tuple[int, ...]) -> bool:
+    """Whether transposing a row-major buffer of `shape` to `order` moves
+    its data (a copy), not only its labels: the dims of size > 1 change
+    their order."""
+    kept = [d for d in order if shape[d] != 1]
+    return kept != sorted(kept)
 
 
 @primitive_rule("conv_general_dilated")
