@@ -20,6 +20,14 @@ class InfeasibleError(AutoShardError, RuntimeError):
     """A linear program with no solution (for a plan: nothing fits the budget)."""
 
 
+class SolverTimeLimitError(PlanError):
+    """The exact solver ran out of time before it found any plan.
+
+    Not a proof that nothing fits: the same program solves with more time
+    (a loaded machine slows the solver's wall clock).
+    """
+
+
 class DimSizeMismatchError(AutoShardError, ValueError):
     """Two dimensions of different sizes were asked to be one axis."""
 

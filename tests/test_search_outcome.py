@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
-from keras_autoshard.planner.linear_program import LinearProgram
+from keras_autoshard.errors import InfeasibleError, PlanError, SolverTimeLimitError
+from keras_autoshard.planner.linear_program import (
+    TIME_LIMIT_GROWTH,
+    TIME_LIMIT_RETRIES,
+    LinearProgram,
+)
 from keras_autoshard.plans.estimate import PlanEstimate
 
 
@@ -56,3 +62,22 @@ def test_the_plan_keeps_it_in_json_and_explain(tmp_path):
     # A plan written before the field reads back without it.
     del data["estimate"]["search"]
     assert PlanEstimate.from_dict(data["estimate"]).search is None
+
+
+def test_a_solve_out_of_time_with_no_solution_is_not_called_infeasible():
+    """A program stopped by its wall-clock limit before any solution is
+    solved again with a longer limit, then reported as out of time (a
+    `PlanError` that says so), never as infeasible: the same program has
+    a solution (solved without the limit below). Planning Llama-2-70B on
+    16x16 once read a 20 s limit reached on a loaded machine as "nothing
+    fits"."""
+    lp = _knapsack()
+    with pytest.raises(SolverTimeLimitError) as error:
+        lp.solve(time_limit_s=1e-5)
+    assert not isinstance(error.value, InfeasibleError)
+    assert isinstance(error.value, PlanError)
+    limit = 1e-5 * TIME_LIMIT_GROWTH**TIME_LIMIT_RETRIES
+    assert f"no plan within {limit:.3g} s" in str(error.value)
+    assert "does not show that nothing fits" in str(error.value)
+    values = _knapsack().solve()
+    assert values.sum() > 0

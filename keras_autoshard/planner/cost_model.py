@@ -100,7 +100,10 @@ class PlannerOptions:
             contractions while small ones (e.g. K/V projections with fewer
             heads than the axis) may stay whole.
         time_limit_s: Time limit for each solve of the exact solver; one
-            stopped by it keeps the best plan found (a warning says so).
+            stopped by it keeps the best plan found (a warning says so),
+            one stopped with none is solved again with a longer limit
+            (`linear_program.TIME_LIMIT_GROWTH`), then raises
+            `SolverTimeLimitError`, never "nothing fits".
             Mixtral-8x7B on 8x8 is the one real size that reaches it: HiGHS
             holds its plan within a second but does not prove the last
             1e-6 of optimality within a minute.

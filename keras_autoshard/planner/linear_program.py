@@ -8,9 +8,14 @@ import logging
 import numpy as np
 from scipy import optimize, sparse
 
-from keras_autoshard.errors import InfeasibleError  # noqa: F401
+from keras_autoshard.errors import InfeasibleError, SolverTimeLimitError
 
 logger = logging.getLogger(__name__)
+
+# A solve stopped by its time limit with no solution is run again with this
+# many times the limit, up to this many times; then `SolverTimeLimitError`.
+TIME_LIMIT_GROWTH = 2
+TIME_LIMIT_RETRIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,11 @@ class SolveOutcome:
         return f"stopped at the {self.status}: best plan found{gap}{nodes}"
 
 
+def _stopped_by_time(result) -> bool:
+    """Whether HiGHS stopped at its wall-clock limit."""
+    return "time limit" in str(result.message).lower()
+
+
 def _outcome(result) -> SolveOutcome:
     gap = getattr(result, "mip_gap", None)
     nodes = getattr(result, "mip_node_count", None)
@@ -48,8 +58,7 @@ def _outcome(result) -> SolveOutcome:
     else:
         # HiGHS ends a search stopped by its node limit with "Solution limit
         # reached" (status 16, which SciPy does not name).
-        message = str(result.message).lower()
-        status = "time limit" if "time limit" in message else "node limit"
+        status = "time limit" if _stopped_by_time(result) else "node limit"
     return SolveOutcome(
         status=status,
         gap=None if gap is None or not np.isfinite(gap) else float(gap),
@@ -128,7 +137,11 @@ class LinearProgram:
             node_limit: Branch-and-bound nodes the solver may explore
                 (deterministic, unlike the time limit); `None` for no limit.
                 Reached with no integer solution, the program counts as
-                infeasible (`InfeasibleError`).
+                infeasible (`InfeasibleError`). The time limit reached with
+                no solution does not: the solve runs again with
+                `TIME_LIMIT_GROWTH` times the limit, at most
+                `TIME_LIMIT_RETRIES` times, then raises
+                `SolverTimeLimitError`.
         """
         if self.num_vars == 0:
             self.outcome = SolveOutcome("optimal", 0.0, 0)
@@ -147,17 +160,39 @@ class LinearProgram:
             constraints.append(
                 optimize.LinearConstraint(matrix, self.row_lower, self.row_upper)
             )
-        result = optimize.milp(
-            c=np.asarray(self.costs),
-            integrality=np.asarray(self.integer, dtype=int),
-            bounds=optimize.Bounds(self.lower, self.upper),
-            constraints=constraints,
-            options={
-                "time_limit": time_limit_s,
-                "mip_rel_gap": 1e-6,
-                **({} if node_limit is None else {"node_limit": node_limit}),
-            },
-        )
+        limit = time_limit_s
+        while True:
+            result = optimize.milp(
+                c=np.asarray(self.costs),
+                integrality=np.asarray(self.integer, dtype=int),
+                bounds=optimize.Bounds(self.lower, self.upper),
+                constraints=constraints,
+                options={
+                    "time_limit": limit,
+                    "mip_rel_gap": 1e-6,
+                    **({} if node_limit is None else {"node_limit": node_limit}),
+                },
+            )
+            if result.x is not None or not _stopped_by_time(result):
+                break
+            # Out of time with no solution proves nothing about feasibility
+            # (Llama-2-70B on 16x16 solves in 16 s alone and stopped at 20 s
+            # on a loaded machine, which then read as "nothing fits").
+            if limit >= time_limit_s * TIME_LIMIT_GROWTH**TIME_LIMIT_RETRIES:
+                raise SolverTimeLimitError(
+                    f"The exact solver found no plan within {limit:.3g} s "
+                    f"(a program of {self.num_vars} variables and "
+                    f"{len(self.rows)} constraints): it ran out of time, "
+                    "which does not show that nothing fits. Plan on a less "
+                    "loaded machine, or with fewer meshes or levers."
+                )
+            logger.info(
+                "MILP stopped at its %.0f s time limit with no solution; "
+                "solving again with %.0f s.",
+                limit,
+                limit * TIME_LIMIT_GROWTH,
+            )
+            limit *= TIME_LIMIT_GROWTH
         if result.x is None:
             raise InfeasibleError(f"No solution: {result.message}")
         self.outcome = _outcome(result)
