@@ -91,14 +91,17 @@ def test_estimated_peak_with_every_layer_rematerialized(name, shape):
         f"estimated {sharding_plan.estimate.to_dict()}, compiled {compiled} "
         f"(ratio {ratio:.2f})"
     )
-    # The same instructions replayed in the order XLA:GPU's memory scheduler
-    # would keep (least of list, depth-first, post order). The replay shares
-    # no buffers, so it can read below XLA's own peak: the estimate over it
-    # measured 0.86-1.19 (BENCHMARKS.md "memory truth"; the subclassed
-    # model on 8x1 and under mixed_bfloat16 at 1.16 and 1.19).
+    # The same instructions replayed in the orders XLA:GPU's memory scheduler
+    # chooses from (least of list, depth-first, post order): no order it
+    # may pick needs more than the estimate allows for (the estimate is at
+    # least 1 - TOLERANCE of the least replayed peak). The upper side is the
+    # compiled check above: the replay shares no buffers, so it reads below
+    # XLA's own peak and over-states the estimate's excess (measured: the
+    # estimate over the replay 0.86-1.19, the subclassed model on 8x1 at
+    # 1.16, while over the compiled peak it is within TOLERANCE).
     peaks = schedule_peaks(report.train_step.hlo_text)
     least_ratio = sharding_plan.estimate.peak_bytes / peaks.least
-    assert 1 - TOLERANCE <= least_ratio <= 1.2, (name, shape, peaks, least_ratio)
+    assert least_ratio >= 1 - TOLERANCE, (name, shape, peaks, least_ratio)
 
 
 # Under mixed_bfloat16 (bfloat16 activations, float32 variables) XLA:CPU
