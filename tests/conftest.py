@@ -22,21 +22,6 @@ import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# XLA compiles the suite's programs without LLVM's optimizations
-# (`--xla_backend_optimization_level=0`): the same optimized HLO, buffer
-# assignment and collectives, in about half the compile time. Measured: the
-# zoo's GPT-2 and Llama train steps on 2x4 compiled for memory give the same
-# peak and collective bytes (15,551,924 / 5,326,340 and 11,672,604 /
-# 4,985,860) in 11.1 s and 6.1 s instead of 15.2 s and 10.3 s; XLA:GPU's
-# deviceless memory analysis of GPT-2 on 8x1 and Llama on 2x4 is unchanged;
-# Qwen3.5's coverage build and train-step check took 18 s and 71 s instead
-# of 40 s and 133 s, parity unchanged (5e-7). The executables run slower,
-# which these tiny programs do not feel. Subprocesses whose environment a
-# test sets without `XLA_FLAGS` compile with XLA's defaults.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
 
 from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
 
