@@ -75,6 +75,7 @@ def test_torch_ranks_match_one_process_forward_gradients_and_5_adam_steps(
     done, results, _ = parity_run(name, mesh_text, tmp_path_factory)
     missing = [rank for rank, result in results.items() if result is None]
     assert not missing, f"ranks {missing} wrote no result:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, done.stderr[-4000:]
     for rank, result in results.items():
         assert result["ok"], f"rank {rank}: {result['problems']}"
         # Parameter bytes: the sharded part cut over the model axis, plus the
@@ -141,6 +142,7 @@ def test_plan_from_another_model_is_rejected_naming_the_variable():
 def test_tensor_parallel_with_torch_backend_trains_like_the_unwrapped_model(tmp_path):
     # The seed README's Sequential example on 4 ranks: 2-way TP x 2-way data.
     done = torchrun(4, ["seq", "2x2"], tmp_path, mode="tensor_parallel")
+    assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(4):
         path = tmp_path / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no result:\n{done.stderr[-3000:]}"

@@ -6,10 +6,17 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import weakref
 
 from keras_autoshard.errors import TorchSetupError  # noqa: F401
 
 DEFAULT_TIMEOUT_S = 60
+
+# What `_end_process_groups` undoes at exit: whether `ensure_process_group`
+# started the default group, and (weakly) the device meshes the library made.
+_started_here = False
+_meshes: list[weakref.ref] = []
+_cleanup_registered = False
 
 
 def ensure_process_group(
@@ -54,18 +61,56 @@ def ensure_process_group(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    # A group left to interpreter shutdown can abort the process ("terminate
-    # called without an active exception" from the backend's threads, seen
-    # with gloo), turning a finished job into a failed one: the group this
-    # function started is destroyed at exit.
-    atexit.register(_destroy_process_group)
+    global _started_here
+    _started_here = True
+    _register_exit_cleanup()
 
 
-def _destroy_process_group() -> None:
+def end_groups_at_exit(device_mesh) -> None:
+    """Have the process groups of `device_mesh` end before the interpreter.
+
+    A torch `DeviceMesh` keeps a reference to each of its process groups,
+    and the model's DTensors (and DTensor's sharding cache) keep the mesh,
+    so `destroy_process_group()` alone leaves the groups, and gloo's worker
+    threads, alive through interpreter shutdown. A worker thread that then
+    frees the last tensor of a finished collective needs the GIL, Python
+    ends that thread, and the process aborts ("terminate called without an
+    active exception") after the script has returned. At exit the library
+    therefore drops the mesh's references too; the groups' destructors then
+    join their threads while the interpreter is still whole.
+
+    Private: `DeviceMesh._pg_registry` (a dict, group name to group; torch
+    2.13 to 2.15). If it changes: nothing is dropped, and a finished
+    torchrun job can again end with that abort.
+
+    Args:
+        device_mesh: A `torch.distributed.device_mesh.DeviceMesh` the
+            library created.
+    """
+    _meshes.append(weakref.ref(device_mesh))
+    _register_exit_cleanup()
+
+
+def _register_exit_cleanup() -> None:
+    global _cleanup_registered
+    if not _cleanup_registered:
+        atexit.register(_end_process_groups)
+        _cleanup_registered = True
+
+
+def _end_process_groups() -> None:
+    """Destroy the default group if `ensure_process_group` started it and
+    drop the library's meshes' references to their groups (see
+    `end_groups_at_exit`)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if _started_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for reference in _meshes:
+        registry = getattr(reference(), "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    _meshes.clear()
 
 
 def device_type() -> str:

@@ -8,6 +8,7 @@ from keras_autoshard.plans.sharding_plan import MeshSpec
 from keras_autoshard.runtime.torch_processes import (
     TorchSetupError,
     device_type,
+    end_groups_at_exit,
     ensure_process_group,
 )
 
@@ -34,9 +35,11 @@ def torch_device_mesh(mesh: MeshSpec):
             f"{mesh.device_count} (times the number of nodes), or plan for a "
             "mesh of that size."
         )
-    return init_device_mesh(
+    device_mesh = init_device_mesh(
         device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names)
     )
+    end_groups_at_exit(device_mesh)
+    return device_mesh
 
 
 def placements_for(spec: Sequence[str | None], mesh: MeshSpec) -> list:
