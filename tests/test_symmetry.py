@@ -86,6 +86,20 @@ class AutoNamedStack(keras.Model):
         return x
 
 
+def _number_dense_layers_across_a_power_of_ten():
+    """Use up Keras's `dense_<n>` names so that the second block's two Dense
+    layers are numbered across a power of ten (`dense_9`, `dense_10`, say):
+    in plain text order its down projection then sorts before its up
+    projection, which CI met when other tests had used the names before."""
+    number = re.search(r"_(\d+)$", keras.layers.Dense(1).name)
+    probe = int(number.group(1)) if number else 0
+    power = 10
+    while power - 3 <= probe:
+        power *= 10
+    for _ in range(power - 3 - probe - 1):  # the next layer is `dense_<power-3>`
+        keras.layers.Dense(1)
+
+
 def test_subclassed_copies_with_numbered_sub_layers_are_tied_in_order():
     def build():
         model = AutoNamedStack(name="stack")
@@ -93,7 +107,9 @@ def test_subclassed_copies_with_numbered_sub_layers_are_tied_in_order():
         return model
 
     x = np.zeros((8, 16, 64), "float32")
+    _number_dense_layers_across_a_power_of_ten()
     free = plan(build, MESH_2x4, x)
+    _number_dense_layers_across_a_power_of_ten()
     tight = plan(build, MESH_2x4, x, memory_budget=int(0.85 * free.estimate.peak_bytes))
     for sharding_plan in (free, tight):
         blocks = {}
@@ -102,7 +118,8 @@ def test_subclassed_copies_with_numbered_sub_layers_are_tied_in_order():
             blocks.setdefault(block, []).append((name, variable.spec))
         assert len(blocks) == 4
         assert all(v.path.startswith("stack/") for v in sharding_plan.variables)
-        # In creation order: norm (gamma, beta), up, down; as the first copy.
+        # In path order, numbers compared as numbers (`dense_9` before
+        # `dense_10`): up (bias, kernel), down, norm; as the first copy.
         first = next(iter(blocks.values()))
         for name, specs in blocks.items():
             assert specs == first, (name, specs, first)

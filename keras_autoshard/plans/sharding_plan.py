@@ -24,6 +24,31 @@ from keras_autoshard.plans.mesh import MeshSpec, dtype_itemsize  # noqa: F401
 
 FORMAT_NAME = "keras-autoshard/sharding-plan"
 FORMAT_VERSION = 1
+_NUMBER = re.compile(r"(\d+)")
+
+
+def path_order(path: str) -> tuple:
+    """Sort key that orders paths as a person reads them: the numbers Keras
+    appends to layer names compare as numbers (`dense_9` before `dense_10`),
+    so every copy of a repeated block lists its variables in one order.
+
+    Args:
+        path: A variable or layer path such as `"block_10/dense_21/kernel"`.
+
+    Returns:
+        A tuple of text and integer parts.
+
+    Example:
+
+    ```python
+    sorted(["dense_10/kernel", "dense_9/kernel"], key=path_order)
+    # ["dense_9/kernel", "dense_10/kernel"]
+    ```
+    """
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in _NUMBER.split(path)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +99,13 @@ class ShardingPlan:
     gradient_accumulation_steps: int = 1
 
     def __post_init__(self):
-        variables = tuple(sorted(self.variables, key=lambda v: v.path))
+        variables = tuple(sorted(self.variables, key=lambda v: path_order(v.path)))
         paths = [v.path for v in variables]
         duplicates = sorted({p for p in paths if paths.count(p) > 1})
         if duplicates:
             raise PlanError(f"Plan lists these variables twice: {duplicates}.")
         object.__setattr__(self, "variables", variables)
-        activations = tuple(sorted(self.activations, key=lambda a: a.path))
+        activations = tuple(sorted(self.activations, key=lambda a: path_order(a.path)))
         object.__setattr__(self, "activations", activations)
         object.__setattr__(self, "notes", tuple(self.notes))
         if self.batch_axis is not None:
