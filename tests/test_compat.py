@@ -1,5 +1,6 @@
-"""Every Keras and JAX private the package uses is reached through
-`keras_autoshard/compat/`, and the installed Keras and JAX still have them."""
+"""Every Keras, JAX and PyTorch private the package uses is reached through
+`keras_autoshard/compat/`, and the installed Keras, JAX and PyTorch still
+have them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-from keras_autoshard.compat import jax_private, keras_private
+from keras_autoshard.compat import jax_private, keras_private, torch_private
 from tools import python_source
 
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_autoshard"
@@ -35,6 +36,7 @@ PRIVATE_ATTRIBUTES = frozenset(
         "_cluster_types",
         "_backends",
         "_getframe",
+        "_pg_registry",
     }
 )
 PRIVATE_MODULES = ("keras.src", "jax._src")
@@ -48,6 +50,26 @@ def test_the_installed_keras_has_every_private_the_package_uses():
 def test_the_installed_jax_has_every_private_the_package_uses():
     missing = jax_private.missing_privates()
     assert missing == [], "JAX privates missing: " + "; ".join(missing)
+
+
+def test_the_installed_torch_has_every_private_the_package_uses():
+    missing = torch_private.missing_privates()
+    assert missing == [], "PyTorch privates missing: " + "; ".join(missing)
+
+
+def test_a_meshs_process_groups_are_forgotten_through_compat():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+        assert mesh._pg_registry  # what the exit hook drops
+        assert torch_private.forget_mesh_process_groups(mesh)
+        assert mesh._pg_registry == {}
+        assert not torch_private.forget_mesh_process_groups(None)  # collected
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_keras_check_names_a_module_function_that_is_gone(monkeypatch):
@@ -145,7 +167,7 @@ def _run(code: str) -> str:
 def test_importing_compat_imports_no_keras_jax_or_torch():
     imported = _run(
         "import sys\n"
-        "from keras_autoshard.compat import jax_private, keras_private\n"
+        "from keras_autoshard.compat import jax_private, keras_private, torch_private\n"
         "print(sorted({'keras', 'jax', 'torch', 'tensorflow'} & set(sys.modules)))"
     )
     assert imported == "[]"

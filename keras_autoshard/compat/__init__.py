@@ -1,13 +1,14 @@
-"""The one home of every Keras and JAX private the package uses.
+"""The one home of every Keras, JAX and PyTorch private the package uses.
 
-`keras_private` and `jax_private` wrap each private (a `keras.src` or
-`jax._src` import, a private attribute, a global Keras keeps, the locals of a
-Keras trainer frame) in a small named function that says what it does, the
-versions it was checked on, and what breaks for the user if it changes.
-Version differences are branched there and nowhere else. Each module's
-`missing_privates()` lists what the installed Keras or JAX no longer has
-(`tests/test_compat.py` asserts the lists are empty).
+`keras_private`, `jax_private` and `torch_private` wrap each private (a
+`keras.src` or `jax._src` import, a private attribute, a global Keras
+keeps, the locals of a Keras trainer frame) in a small named function that
+says what it does, the versions it was checked on, and what breaks for the
+user if it changes. Version differences are branched there and nowhere
+else. Each module's `missing_privates()` lists what the installed Keras,
+JAX or PyTorch no longer has (`tests/test_compat.py` asserts the lists are
+empty).
 
-Nothing here is imported by `import keras_autoshard`, and neither module
+Nothing here is imported by `import keras_autoshard`, and no module here
 imports Keras, JAX or PyTorch until one of its functions is called.
 """

@@ -8,6 +8,7 @@ import datetime
 import os
 import weakref
 
+from keras_autoshard.compat import torch_private
 from keras_autoshard.errors import TorchSetupError  # noqa: F401
 
 DEFAULT_TIMEOUT_S = 60
@@ -79,9 +80,8 @@ def end_groups_at_exit(device_mesh) -> None:
     therefore drops the mesh's references too; the groups' destructors then
     join their threads while the interpreter is still whole.
 
-    Private: `DeviceMesh._pg_registry` (a dict, group name to group; torch
-    2.13 to 2.15). If it changes: nothing is dropped, and a finished
-    torchrun job can again end with that abort.
+    The references are dropped through a torch private
+    (`compat.torch_private.forget_mesh_process_groups`).
 
     Args:
         device_mesh: A `torch.distributed.device_mesh.DeviceMesh` the
@@ -107,9 +107,7 @@ def _end_process_groups() -> None:
     if _started_here and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for reference in _meshes:
-        registry = getattr(reference(), "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
+        torch_private.forget_mesh_process_groups(reference())
     _meshes.clear()
 
 
