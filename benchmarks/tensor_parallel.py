@@ -42,8 +42,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.measure import time_train_steps  # noqa: E402
-from keras_autoshard import TensorParallel, names_replayed_after  # noqa: E402
+from keras_autoshard import PlanError, TensorParallel, names_replayed_after  # noqa: E402
+from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.report.estimate_check import compiled_peak_bytes  # noqa: E402
 
 SECTION_NAME = "tensor-parallel"
 BATCH, SEQ, VOCAB = 8, 64, 1024
@@ -51,10 +53,10 @@ WORLD_SIZES = (2, 4, 8)
 TIMED_STEPS = 10
 QUICK_TIMED_STEPS = 3
 MODEL_AXIS = "model"
-ADAM_STATE_COPIES = 3  # parameters, first and second moments
 # Each world size is measured without a memory budget (the planner minimises
-# communication) and with this multiple of the ideal per-device state.
-BUDGET_FACTOR = 1.2
+# communication) and with a budget of this share of that plan's estimated
+# peak (a budget holds the whole peak: state, activations, transients).
+BUDGET_SHARE = 0.8
 
 
 def build_bert() -> keras.Model:
@@ -133,6 +135,8 @@ class Row:
         world_size: Devices per model copy (the `"model"` mesh axis).
         mesh: The mesh, described.
         memory_budget: Per-device bytes given to the planner, or `None`.
+        estimated_peak: The plan's estimated peak bytes per device.
+        compiled_peak: The compiled train step's peak bytes per device.
         state_bytes_per_device: Largest per-device parameter plus optimizer
             bytes, from the compiled report.
         total_state_bytes: Parameter plus optimizer bytes of the whole model.
@@ -147,6 +151,8 @@ class Row:
     world_size: int
     mesh: str
     memory_budget: int | None
+    estimated_peak: int
+    compiled_peak: int
     state_bytes_per_device: int
     total_state_bytes: int
     model_axis_all_reduces: int
@@ -164,6 +170,17 @@ class Row:
         return statistics.median(self.step_seconds) / statistics.median(
             self.reference_step_seconds
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class NoFit:
+    """A budget under which the planner found no plan (its error kept)."""
+
+    model: str
+    world_size: int
+    mesh: str
+    memory_budget: int
+    error: str
 
 
 def _variable_bytes(variables) -> int:
@@ -223,6 +240,8 @@ def measure(
         world_size=world_size,
         mesh=model.setup.mesh.describe(),
         memory_budget=memory_budget,
+        estimated_peak=model.plan.estimate.peak_bytes,
+        compiled_peak=compiled_peak_bytes(report.train_step.memory),
         state_bytes_per_device=max(state_by_device),
         total_state_bytes=total,
         model_axis_all_reduces=report.train_step.count("all-reduce", (MODEL_AXIS,)),
@@ -252,41 +271,34 @@ def render_section(
         "",
         "*state ÷ ideal*: largest per-device parameter + optimizer bytes "
         "(read from the arrays' shards) ÷ (whole model's parameter + optimizer "
-        "bytes ÷ world size); 1.00 means every byte is cut world-size ways. "
+        "bytes ÷ world size); 1.00 means every byte is cut world-size ways, "
+        "below 1.00 that a budget also cuts state over the batch axis "
+        "(FSDP). "
         "*step ÷ unwrapped*: median `train_on_batch` time ÷ the unwrapped "
         "model's on one device. Simulated devices share the host's cores, so "
         "step ratios measure overhead, not speed-up. *memory budget*: none lets "
         "the planner minimise communication (it keeps embeddings and norms "
-        f"whole when there is no data axis); {BUDGET_FACTOR}× ideal passes "
-        f"`memory_budget={BUDGET_FACTOR} × 3 × parameter bytes ÷ world size` to "
-        "`TensorParallel`, trading collectives for memory.",
+        "whole when there is no data axis); the second row of each world size "
+        f"passes `memory_budget` = {BUDGET_SHARE} × the first plan's estimated "
+        "peak to `TensorParallel` (a budget holds the whole peak per device: "
+        "parameters, gradients, optimizer state, kept activations, "
+        "transients, of which plans fill at most "
+        f"{1 - HEADROOM['XLA:CPU']:.0%}), trading collectives for memory. "
+        "*estimated peak*: `plan.estimate.peak_bytes`; *compiled peak*: the "
+        "compiled train step's (XLA:CPU) arguments + outputs + temporaries − "
+        "aliased, per device.",
     ]
     for name in models:
         lines += ["", f"### {name}", "", MODELS[name].description + ".", ""]
-        table_rows = [
-            [
-                str(row.world_size),
-                row.mesh,
-                "none"
-                if row.memory_budget is None
-                else f"{format_bytes(row.memory_budget)} ({BUDGET_FACTOR}× ideal)",
-                format_bytes(row.state_bytes_per_device),
-                format_bytes(row.total_state_bytes),
-                f"{row.state_over_ideal:.2f}",
-                str(row.model_axis_all_reduces),
-                format_bytes(row.collective_bytes),
-                f"{1000 * statistics.median(row.step_seconds):.1f}",
-                f"{row.step_ratio:.2f}",
-            ]
-            for row in rows
-            if row.model == name
-        ]
+        table_rows = [_table_row(row) for row in rows if row.model == name]
         lines.append(
             markdown_table(
                 [
                     "world size",
                     "mesh",
                     "memory budget",
+                    "estimated peak",
+                    "compiled peak",
                     "params+optimizer/device",
                     "whole model",
                     "state ÷ ideal",
@@ -296,10 +308,35 @@ def render_section(
                     "step ÷ unwrapped",
                 ],
                 table_rows,
-                right_aligned=[True, False, True] + [True] * 7,
+                right_aligned=[True, False, True] + [True] * 9,
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def _table_row(row: Row | NoFit) -> list[str]:
+    if isinstance(row, NoFit):
+        reason = row.error.split(" (")[0].split(": ")[0]
+        return [
+            str(row.world_size),
+            row.mesh,
+            format_bytes(row.memory_budget),
+            f"no plan: {reason}",
+        ] + ["—"] * 8
+    return [
+        str(row.world_size),
+        row.mesh,
+        "none" if row.memory_budget is None else format_bytes(row.memory_budget),
+        format_bytes(row.estimated_peak),
+        format_bytes(row.compiled_peak),
+        format_bytes(row.state_bytes_per_device),
+        format_bytes(row.total_state_bytes),
+        f"{row.state_over_ideal:.2f}",
+        str(row.model_axis_all_reduces),
+        format_bytes(row.collective_bytes),
+        f"{1000 * statistics.median(row.step_seconds):.1f}",
+        f"{row.step_ratio:.2f}",
+    ]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -337,13 +374,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for name in args.models:
         case = MODELS[name]
-        reference, parameter_bytes = measure_reference(case, timed_steps)
+        reference, _ = measure_reference(case, timed_steps)
         for world_size in args.world_sizes:
-            ideal = ADAM_STATE_COPIES * parameter_bytes / world_size
-            for budget in (None, int(BUDGET_FACTOR * ideal)):
+            free = measure(name, case, world_size, timed_steps, reference)
+            rows.append(free)
+            budget = int(BUDGET_SHARE * free.estimated_peak)
+            try:
                 rows.append(
                     measure(name, case, world_size, timed_steps, reference, budget)
                 )
+            except PlanError as error:
+                rows.append(NoFit(name, world_size, free.mesh, budget, str(error)))
     command = shlex.join(["python", "-m", "benchmarks.tensor_parallel", *argv])
     section = render_section(rows, args.models, timed_steps, command)
     write_section(args.output, SECTION_NAME, section)
