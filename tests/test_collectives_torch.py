@@ -79,7 +79,8 @@ def launch(world_size: int, out_dir: Path) -> list[dict]:
                 f"rank {rank} of {world_size} wrote no report (exit code "
                 f"{ranks[rank].returncode}).\n" + _log_tails(out_dir, world_size)
             )
-        reports.append(json.loads(report_file.read_text()))
+        report = json.loads(report_file.read_text())
+        reports.append({**report, "exit_code": ranks[rank].returncode})
     return reports
 
 
@@ -99,6 +100,11 @@ def test_every_rank_ran_every_check(rank_reports):
     assert [report["rank"] for report in rank_reports] == list(range(len(rank_reports)))
     for report in rank_reports:
         assert report["checks"] == CHECKS
+        # A rank ends like a user's script: normally, 0 when every check
+        # passed, 1 when one failed (reported per check below), never an
+        # abort at interpreter exit.
+        expected = 1 if report["failures"] else 0
+        assert report["exit_code"] == expected, (report["rank"], report["exit_code"])
 
 
 @pytest.mark.parametrize("check", CHECKS)
