@@ -255,7 +255,9 @@ under a whole-peak budget that leaves the state 1.05 × (parameters + Adam \
 moments) ÷ 8 per device (the free plan's estimated peak with its own \
 parameters and optimizer state replaced by that share); *budget \
 state/device* is its measured parameter + optimizer bytes per device (from \
-the arrays' addressable shards) against that share, and the \
+the arrays' addressable shards) against that share (the budget is on the \
+whole peak, so a plan may keep more state than the share where it saves \
+as much elsewhere, for instance by rematerializing), and the \
 second *÷ KerasHub map* compares its collective bytes to the KerasHub map. \
 Under the budget the planner pins the output of a layer whose \
 parameters it cuts for storage only (lookup and position tables), so XLA \
