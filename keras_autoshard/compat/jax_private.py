@@ -9,10 +9,11 @@ installed JAX still has every private used here.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from keras_autoshard.compat.checks import attribute, failing
 
 _XLA_BRIDGE = "jax._src.xla_bridge"
 
@@ -100,25 +101,11 @@ def missing_privates() -> list[str]:
     assert jax_private.missing_privates() == []
     ```
     """
-    return [name for name, check in _CHECKS if not _holds(check)]
-
-
-def _holds(check: Callable[[], bool]) -> bool:
-    try:
-        return bool(check())
-    except Exception:  # noqa: BLE001 - a check that cannot run: the private is gone
-        return False
-
-
-def _attribute(module: str, path: str) -> Any:
-    value = importlib.import_module(module)
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
+    return failing(_CHECKS)
 
 
 def _cluster_types_readable() -> bool:
-    types = _attribute("jax._src.clusters", "ClusterEnv._cluster_types")
+    types = attribute("jax._src.clusters", "ClusterEnv._cluster_types")
     return all(
         hasattr(environment, "name")
         and hasattr(environment, "opt_in_only_method")
@@ -130,11 +117,11 @@ def _cluster_types_readable() -> bool:
 _CHECKS: list[tuple[str, Callable[[], bool]]] = [
     (
         f"{_XLA_BRIDGE}.backends_are_initialized",
-        lambda: callable(_attribute(_XLA_BRIDGE, "backends_are_initialized")),
+        lambda: callable(attribute(_XLA_BRIDGE, "backends_are_initialized")),
     ),
     (
         "jax._src.distributed.global_state.client",
-        lambda: hasattr(_attribute("jax._src.distributed", "global_state"), "client"),
+        lambda: hasattr(attribute("jax._src.distributed", "global_state"), "client"),
     ),
     (
         "jax._src.clusters.ClusterEnv._cluster_types (name, opt_in_only_method, "
@@ -143,6 +130,6 @@ _CHECKS: list[tuple[str, Callable[[], bool]]] = [
     ),
     (
         "jax._src.ad_checkpoint.saved_residuals",
-        lambda: callable(_attribute("jax._src.ad_checkpoint", "saved_residuals")),
+        lambda: callable(attribute("jax._src.ad_checkpoint", "saved_residuals")),
     ),
 ]

@@ -15,7 +15,8 @@ import inspect
 import pathlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+
+from keras_autoshard.compat.checks import attribute, failing
 
 
 def missing(private: ModuleType) -> list[str]:
@@ -29,25 +30,11 @@ def missing(private: ModuleType) -> list[str]:
     checks = list(_CHECKS)
     if importlib.util.find_spec("jax") is not None:
         checks += _JAX_TRAINER_CHECKS
-    return [name for name, check in checks if not _holds(check, private)]
-
-
-def _holds(check: Callable[[ModuleType], bool], private: ModuleType) -> bool:
-    try:
-        return bool(check(private))
-    except Exception:  # noqa: BLE001 - a check that cannot run: the private is gone
-        return False
-
-
-def _attribute(module: str, path: str) -> Any:
-    value = importlib.import_module(module)
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
+    return failing(checks, private)
 
 
 def _has_parameters(module: str, path: str, *names: str) -> bool:
-    parameters = inspect.signature(_attribute(module, path)).parameters
+    parameters = inspect.signature(attribute(module, path)).parameters
     return all(name in parameters for name in names)
 
 
@@ -155,11 +142,11 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
     ),
     (
         f"{_BACKEND}.compute_output_spec",
-        lambda _: _attribute(_BACKEND, "compute_output_spec"),
+        lambda _: attribute(_BACKEND, "compute_output_spec"),
     ),
     (
         f"{_BACKEND}.common.stateless_scope.get_stateless_scope",
-        lambda _: _attribute(
+        lambda _: attribute(
             f"{_BACKEND}.common.stateless_scope", "get_stateless_scope"
         ),
     ),
@@ -177,7 +164,7 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
                 "default",
                 "set_to_default",
             )
-            and _attribute(_GLOBAL_STATE, "set_global_attribute")
+            and attribute(_GLOBAL_STATE, "set_global_attribute")
         ),
     ),
     (
@@ -269,7 +256,7 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
     ),
     (
         f"{_SAVING}._serialize_model_as_json",
-        lambda _: _attribute(_SAVING, "_serialize_model_as_json"),
+        lambda _: attribute(_SAVING, "_serialize_model_as_json"),
     ),
     (
         "OrbaxCheckpoint.checkpointer.save_checkpointables",
@@ -300,7 +287,7 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
         "keras.src.trainers.trainer.BaseTrainer (3.16) / Trainer (3.15)"
         ".get_metrics_result",
         lambda _: callable(
-            _attribute(
+            attribute(
                 "keras.src.trainers.trainer",
                 "BaseTrainer.get_metrics_result"
                 if _source_has("trainers/trainer.py", "class BaseTrainer")
@@ -357,6 +344,6 @@ _JAX_TRAINER_CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
     ),
     (
         "keras.src.backend.jax.distribution_lib.initialize_rng",
-        lambda _: _attribute(f"{_BACKEND}.jax.distribution_lib", "initialize_rng"),
+        lambda _: attribute(f"{_BACKEND}.jax.distribution_lib", "initialize_rng"),
     ),
 ]

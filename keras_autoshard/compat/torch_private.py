@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from keras_autoshard.compat.checks import failing
+
 
 def forget_mesh_process_groups(device_mesh: Any) -> bool:
     """Drop a torch `DeviceMesh`'s own references to its process groups.
@@ -49,14 +51,7 @@ def missing_privates() -> list[str]:
     assert torch_private.missing_privates() == []
     ```
     """
-    return [name for name, check in _CHECKS if not _holds(check)]
-
-
-def _holds(check: Callable[[], bool]) -> bool:
-    try:
-        return bool(check())
-    except Exception:  # noqa: BLE001 - a check that cannot run: the private is gone
-        return False
+    return failing(_CHECKS)
 
 
 def _mesh_keeps_a_group_registry() -> bool:
