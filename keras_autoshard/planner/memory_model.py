@@ -29,9 +29,9 @@ planned on), the activations are kept as XLA:GPU fuses them
 (`AxisGraph.for_platform`), and the backward pass is a sequence of stages,
 one per layer in reverse call order (`accelerator_peak`): each holds what
 the layers not yet differentiated keep, the current layer's own residuals,
-its parameters' gradients (an accelerator updates each variable as soon as
-its gradient is complete, in place) and one buffer of its largest batch
-activation; gradient accumulation adds no update phase.
+the gradients finished so far (held to the updates, after the backward
+pass) and one buffer of its largest batch activation; gradient
+accumulation adds no update phase.
 
 For inference (`predict`), the parameters, the data, the predictions (the
 outputs it returns) and twice the largest activation of the batch (a
@@ -67,7 +67,11 @@ from keras_autoshard.planner.cost_model import (
     terms_bytes,
     widening,
 )
-from keras_autoshard.planner.remat import backward_stages, layer_calls
+from keras_autoshard.planner.remat import (
+    accelerator_stages,
+    backward_stages,
+    layer_calls,
+)
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -327,23 +331,28 @@ def accelerator_peak(
     micro_batches: int = 1,
 ) -> tuple[float, float, float]:
     """(activations, gradients, workspace) one device holds at the fullest
-    stage of an accelerator's backward pass.
+    stage of an accelerator's backward pass (`remat.accelerator_stages`).
 
     XLA:GPU differentiates layer by layer in reverse call order and frees a
     kept activation after the backward pass of the last layer that reads
-    it; each parameter's update runs as soon as its gradient is complete
-    (in place in the donated state, also under gradient accumulation), so
-    the gradients alive are the current layer's. A stage holds: every kept
-    activation some layer not yet differentiated reads (a rematerialized
-    layer keeps only its input), the current layer's own residuals (made
-    again when it is rematerialized), its parameters' gradients, and one
+    it; the updates run after the whole backward pass (Keras applies the
+    optimizer to all gradients at once), so every finished gradient is held
+    to the end. A stage holds: every kept activation some layer not yet
+    differentiated reads (a rematerialized layer keeps only its input), the
+    current layer's own residuals (made again when it is rematerialized),
+    the gradients of every parameter read by it or a layer above, and one
     buffer of its largest batch activation for the gradient being formed.
-    Read off XLA:GPU's buffers at the compiled peak (a Llama at Llama-2-70B
-    widths on 32x8, every layer rematerialized: the layer inputs, the last
-    layer's recomputed residuals and no gradient; at Llama-3-8B widths
-    without rematerialization: the earlier layers' residuals, the last
-    layer's, its weight gradients and its backward's attention-sized
-    buffers).
+    Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
+    widths on 32x8, every layer rematerialized, peaks at the top layer (the
+    layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
+    widths without rematerialization at the top layer too (the lower
+    layers' residuals, its own, its weight gradients and attention-sized
+    buffers); Mixtral-8x7B on 8x8 at the bottom layer (every layer's
+    float32 expert kernel gradients, 224 MiB each, live from their backward
+    pass to the updates after it, and the upper layers' inputs freed): per
+    layer its compiled peak grows by the layer's parameters, optimizer
+    slots and gradients (2.08 GB), which counting only the top layer's
+    gradients put at 1.83 GB.
 
     Args:
         graph: The model's axis graph, `for_platform` an accelerator.
@@ -357,38 +366,20 @@ def accelerator_peak(
         current layer's included), gradients, workspace.
     """
     part = 1.0 / micro_batches
-    order = layer_calls(graph)
-    position = {layer: i for i, layer in enumerate(order)}
-    last = len(order)
+    stages = accelerator_stages(graph, remat)
+    last = len(stages) - 1
+    position = {layer: i for i, layer in enumerate(layer_calls(graph))}
     assignment = held_as_partitioned(graph, assignment)
-    residuals = graph.residuals_within_layers if remat else graph.residuals
-    # Bytes kept until the backward pass finishes the stage at each
-    # position (a residual no layer reads is kept to the end, `last`).
-    until: dict[int, float] = {}
-    own: dict[int, float] = {}
-    for kept in residuals:
-        tensor = graph.tensors[kept.tensor]
-        if tensor.kind != "activation":
-            continue
-        held = local_bytes(tensor, assignment, sizes) * kept.scale * kept.times * part
-        readers = [position.get(layer, last) for layer in kept.layers] or [last]
-        if kept.layers and all(layer in remat for layer in kept.layers):
-            own[min(readers)] = own.get(min(readers), 0.0) + held
-        else:
-            until[min(readers)] = until.get(min(readers), 0.0) + held
-    for layer, tids in graph.layer_inputs:
-        if layer in remat:
-            for tid in tids:
-                held = local_bytes(graph.tensors[tid], assignment, sizes) * part
-                until[position[layer]] = until.get(position[layer], 0.0) + held
-    gradients: dict[int, float] = {}
-    for tid, layers in graph.param_readers:
-        stage = max(position.get(layer, last) for layer in layers)
-        shard = local_bytes(graph.tensors[tid], assignment, sizes)
-        gradients[stage] = gradients.get(stage, 0.0) + shard
+
+    def held(terms) -> float:
+        return part * sum(
+            local_bytes(graph.tensors[tid], assignment, sizes) * factor
+            for tid, factor in terms
+        )
+
     batch_classes = batch_carrying_classes(graph)
     outputs = set(graph.outputs)
-    largest: dict[int, float] = {}
+    largest = [0.0] * len(stages)
     for tensor in graph.tensors:
         if tensor.kind != "activation" or tensor.id in outputs:
             continue
@@ -396,15 +387,22 @@ def accelerator_peak(
             continue
         stage = position.get(graph.tensor_layers[tensor.id], last)
         size = local_bytes(tensor, assignment, sizes) * part
-        largest[stage] = max(largest.get(stage, 0.0), size)
+        largest[stage] = max(largest[stage], size)
+    made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
+    for i in reversed(range(len(stages))):
+        made_above[i] = made_above[i + 1] + sum(
+            local_bytes(graph.tensors[tid], assignment, sizes)
+            for tid in stages[i].gradients
+        )
     best = (-1.0, 0.0, 0.0, 0.0)
     alive = 0.0  # what the stages up to this one still read
-    for stage in range(last + 1):
-        alive += until.get(stage, 0.0)
-        kept = alive + own.get(stage, 0.0)
-        made = gradients.get(stage, 0.0)
-        workspace = largest.get(stage, 0.0)
-        best = max(best, (kept + made + workspace, kept, made, workspace))
+    for i, stage in enumerate(stages):
+        alive += held(stage.kept_to_here)
+        kept = alive + held(stage.own)
+        best = max(
+            best,
+            (kept + made_above[i] + largest[i], kept, made_above[i], largest[i]),
+        )
     return best[1], best[2], best[3]
 
 

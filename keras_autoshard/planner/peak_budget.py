@@ -25,9 +25,11 @@ largest on every device too).
 
 The estimate takes the fullest of the step's phases (backward pass, loss,
 a pooling's workspace); this row adds their parts, an envelope of them.
-Under gradient accumulation a second row bounds the update (a new copy of
-every trainable variable, its slots and accumulator beside the old, with
-the data; the backward pass's activations are freed by then).
+Under gradient accumulation on XLA:CPU a second row bounds the update (a
+new copy of every trainable variable, its slots and accumulator beside the
+old, with the data; the backward pass's activations are freed by then). On
+an accelerator, rows for the lowest stages of the backward pass bound the
+gradients it holds to the end (`_lowest_stage_rows`).
 
 With layers rematerialized, this row is the envelope of the backward
 pass's stages (`remat.backward_stages`): every gradient counted beside the
@@ -51,7 +53,11 @@ from keras_autoshard.planner.cost_model import (
     widening,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
+from keras_autoshard.planner.remat import (
+    accelerator_stages,
+    gathered_param_terms,
+    kept_terms,
+)
 
 # Cost per byte of peak when the search minimises the peak (no plan fits):
 # well above any communication byte.
@@ -120,9 +126,10 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
             add(tensor, True, 1.0)
         elif tensor.kind == "param":
             # An unread parameter's gradient is zero, folded by XLA; on an
-            # accelerator a gradient lives only until its update, which
-            # runs as soon as it is complete (`memory_model.accelerator_peak`:
-            # the largest layer's gradients are left to the headroom).
+            # accelerator the top stages, which keep every activation, hold
+            # no gradient yet (the top layer's are left to the headroom); the
+            # lowest stages, which hold them all, have rows of their own
+            # (`_lowest_stage_rows`).
             gradient = 1.0 if tensor.id in unread or accelerator else 0.0
             # The update: the variable, its slots and accumulator, twice.
             add(tensor, True, copies - gradient if train else 1.0, 2 * (2 + slots))
@@ -164,24 +171,98 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         for var, coefficient in terms.items():
             bound[var] = bound.get(var, 0.0) - coefficient
         program.lp.add_row(bound, lower=fixed)
+    rows = [(row, constant)]
+    if update is not None:
+        rows.append((update, update_constant))
+    if train and accelerator:
+        rows += _lowest_stage_rows(program, remat, part, transient)
     if budget is None:
         # Minimise the peak first, communication second. The peak is counted
         # in MiB: in bytes, its coefficients at real sizes (1e15) leave the
         # solver's tolerances behind.
-        scaled = {var: coefficient / MIB for var, coefficient in row.items()}
         ceiling = sum(t.nbytes for t in graph.tensors) * (4.0 + options.optimizer_slots)
         peak = program.lp.add_var(cost=PEAK_WEIGHT * MIB, upper=ceiling / MIB)
-        scaled[peak] = -1.0
-        program.lp.add_row(scaled, upper=-constant / MIB)
+        for terms, fixed in rows:
+            scaled = {var: coefficient / MIB for var, coefficient in terms.items()}
+            scaled[peak] = -1.0
+            program.lp.add_row(scaled, upper=-fixed / MIB)
         return
-    if max(constant, update_constant) > budget:
+    fixed_most = max(fixed for _, fixed in rows)
+    if fixed_most > budget:
         raise InfeasibleError(
-            f"Even fully sharded, {max(constant, update_constant) / 2**20:.1f} "
+            f"Even fully sharded, {fixed_most / 2**20:.1f} "
             "MiB per device cannot be cut (replicated parts)."
         )
-    program.lp.add_row(row, upper=budget - constant)
-    if update is not None:
-        program.lp.add_row(update, upper=budget - update_constant)
+    for terms, fixed in rows:
+        program.lp.add_row(terms, upper=budget - fixed)
+
+
+# How many of an accelerator's lowest backward stages get a row of their own
+# (`_lowest_stage_rows`).
+LOWEST_STAGES = 3
+
+
+def _lowest_stage_rows(
+    program, remat: frozenset[str], part: float, transient: int
+) -> list[tuple[dict[int, float], float]]:
+    """Rows for the last stages of an accelerator's backward pass (the
+    lowest layers'), where every finished gradient is held
+    (`memory_model.accelerator_peak`): the state, every gradient, the data
+    and targets, what those stages still keep (their own residuals and the
+    activations kept for them) and the transient `T`.
+
+    The first row (`add_peak_budget`) covers the top stages: every kept
+    activation, no gradient. Going down, the gradients held grow and the
+    activations kept shrink, each by about a layer's worth per stage, so
+    the fullest stage is at one end; the `LOWEST_STAGES` lowest get a row
+    each (the lowest layer may be an embedding that keeps little, so the
+    next ones are checked too). Gathered copies of FSDP-cut weights are
+    left out (the lowest layers' own are small against every gradient).
+
+    Returns:
+        `(terms, constant)` per row, in bytes per device.
+    """
+    graph = program.graph
+    options = program.options
+    slots = options.optimizer_slots
+    accumulator = 1.0 if part < 1.0 else 0.0
+    unread = set(graph.unread)
+    state: dict[int, float] = {transient: 1.0}
+    state_constant = 0.0
+
+    def add(into: dict[int, float], tensor, fsdp: bool, scale: float) -> float:
+        fixed, terms = program.bytes_terms(tensor, fsdp=fsdp, scale=scale)
+        for var, coefficient in terms.items():
+            into[var] = into.get(var, 0.0) + coefficient
+        return fixed
+
+    for tensor in graph.tensors:
+        if tensor.kind == "state":
+            state_constant += add(state, tensor, True, 1.0)
+        elif tensor.kind == "param":
+            copies = 1.0 + slots + accumulator + (tensor.id not in unread)
+            state_constant += add(state, tensor, True, copies)
+        elif tensor.kind == "input":
+            state_constant += add(state, tensor, False, part)
+    data_ways = math.prod(a.size for a in program.axes if a.data_only)
+    for tid in graph.outputs:
+        if graph.tensors[tid].requires_grad:
+            state_constant += graph.tensors[tid].nbytes / data_ways * part
+    rows = []
+    kept: dict[int, float] = {}
+    kept_constant = 0.0
+    stages = accelerator_stages(graph, remat)
+    for stage in stages[: max(1, min(LOWEST_STAGES, len(stages) - 1))]:
+        for tid, factor in stage.kept_to_here:
+            kept_constant += add(kept, graph.tensors[tid], False, factor * part)
+        terms = dict(state)
+        for var, coefficient in kept.items():
+            terms[var] = terms.get(var, 0.0) + coefficient
+        fixed = state_constant + kept_constant
+        for tid, factor in stage.own:
+            fixed += add(terms, graph.tensors[tid], False, factor * part)
+        rows.append((terms, fixed))
+    return rows
 
 
 def _transient_candidates(

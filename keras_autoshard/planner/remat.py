@@ -151,6 +151,70 @@ def backward_stages(
     return held, stages
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceleratorStage:
+    """One stage of an accelerator's backward pass (`accelerator_stages`):
+    the backward pass of the layer call at one position of the call order
+    (the last position: equations outside any layer, the loss's).
+
+    Args:
+        kept_to_here: `(tensor id, bytes per tensor byte)` kept from the
+            forward pass until this stage has run (the lowest position that
+            reads them is this one); a stage holds these of its own
+            position and of every lower one.
+        own: This stage's rematerialized layer's own residuals, made again
+            for its backward pass (empty unless it is rematerialized).
+        gradients: Parameters whose gradient this stage starts (the
+            highest position reading them is this one); XLA:GPU holds each
+            until the updates, after the whole backward pass.
+    """
+
+    kept_to_here: KeptTerms
+    own: KeptTerms
+    gradients: tuple[int, ...]
+
+
+def accelerator_stages(
+    graph: AxisGraph, remat: frozenset[str]
+) -> list[AcceleratorStage]:
+    """An accelerator's backward pass, one stage per position of the call
+    order (`layer_calls`) and one after the last: stage `i` holds the
+    `kept_to_here` of stages `0 … i`, its own residuals, and the gradients
+    of stages `i … last` (see `memory_model.accelerator_peak`).
+
+    Args:
+        graph: The model's axis graph, `for_platform` an accelerator.
+        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
+
+    Returns:
+        The stages, by position (the backward pass runs them last first).
+    """
+    order = layer_calls(graph)
+    position = {layer: i for i, layer in enumerate(order)}
+    last = len(order)
+    kept: list[KeptTerms] = [[] for _ in range(last + 1)]
+    own: list[KeptTerms] = [[] for _ in range(last + 1)]
+    residuals = graph.residuals_within_layers if remat else graph.residuals
+    for residual in residuals:
+        if graph.tensors[residual.tensor].kind != "activation":
+            continue
+        term = (residual.tensor, residual.scale * residual.times)
+        readers = [position.get(layer, last) for layer in residual.layers] or [last]
+        if residual.layers and all(layer in remat for layer in residual.layers):
+            own[min(readers)].append(term)
+        else:
+            kept[min(readers)].append(term)
+    for layer, tids in graph.layer_inputs:
+        if layer in remat:
+            kept[position[layer]] += [(tid, 1.0) for tid in tids]
+    gradients: list[list[int]] = [[] for _ in range(last + 1)]
+    for tid, layers in graph.param_readers:
+        gradients[max(position.get(layer, last) for layer in layers)].append(tid)
+    return [
+        AcceleratorStage(kept[i], own[i], tuple(gradients[i])) for i in range(last + 1)
+    ]
+
+
 def _held_and_recomputed(
     graph: AxisGraph, remat: frozenset[str]
 ) -> tuple[KeptTerms, dict[str, KeptTerms]]:
