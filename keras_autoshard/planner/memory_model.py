@@ -76,6 +76,12 @@ from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
 
+# XLA combines the gradients' reductions over the batch into collectives of
+# up to this many bytes (`kDefaultAllReduceCombineThreshold` and its
+# reduce-scatter twin, `xla/service/collective_utils.h`); a combined one's
+# concatenated operand and its result are live at once.
+COMBINE_THRESHOLD_BYTES = 30 * 2**20
+
 
 def estimate_memory(
     graph: AxisGraph,
@@ -340,8 +346,14 @@ def accelerator_peak(
     to the end. A stage holds: every kept activation some layer not yet
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized),
-    the gradients of every parameter read by it or a layer above, and one
-    buffer of its largest batch activation for the gradient being formed.
+    the gradients of every parameter read by it or a layer above, one
+    buffer of its largest batch activation for the gradient being formed,
+    and the largest combined reduction of the gradients over the batch axes
+    so far (its concatenated operand beside its result; XLA packs them in
+    the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
+    six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
+    6.3 MB each, as the combined all-reduce's operand and result; six
+    4096-wide ones, 16 MiB per kernel, combine one layer's each).
     Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
     widths on 32x8, every layer rematerialized, peaks at the top layer (the
     layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
@@ -388,20 +400,31 @@ def accelerator_peak(
         stage = position.get(graph.tensor_layers[tensor.id], last)
         size = local_bytes(tensor, assignment, sizes) * part
         largest[stage] = max(largest[stage], size)
+    whole = dataclasses.replace(assignment, fsdp={})
+    batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
+    combined = [0.0] * len(stages)  # the largest combined reduction so far
+    group = largest_group = 0.0
     for i in reversed(range(len(stages))):
-        made_above[i] = made_above[i + 1] + sum(
-            local_bytes(graph.tensors[tid], assignment, sizes)
-            for tid in stages[i].gradients
-        )
+        made_above[i] = made_above[i + 1]
+        for tid in stages[i].gradients:
+            tensor = graph.tensors[tid]
+            made_above[i] += local_bytes(tensor, assignment, sizes)
+            if batch_axes - set(tensor_axes(tensor, whole)):
+                # Combined in the order they are made, up to the threshold.
+                size = local_bytes(tensor, whole, sizes)
+                if group + size > COMBINE_THRESHOLD_BYTES:
+                    largest_group, group = max(largest_group, group), 0.0
+                group += size
+        combined[i] = max(largest_group, group)
     best = (-1.0, 0.0, 0.0, 0.0)
     alive = 0.0  # what the stages up to this one still read
     for i, stage in enumerate(stages):
         alive += held(stage.kept_to_here)
         kept = alive + held(stage.own)
+        workspace = largest[i] + combined[i]
         best = max(
-            best,
-            (kept + made_above[i] + largest[i], kept, made_above[i], largest[i]),
+            best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
     return best[1], best[2], best[3]
 

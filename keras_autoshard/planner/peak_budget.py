@@ -53,6 +53,7 @@ from keras_autoshard.planner.cost_model import (
     widening,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.memory_model import COMBINE_THRESHOLD_BYTES
 from keras_autoshard.planner.remat import (
     accelerator_stages,
     gathered_param_terms,
@@ -207,9 +208,10 @@ def _lowest_stage_rows(
 ) -> list[tuple[dict[int, float], float]]:
     """Rows for the last stages of an accelerator's backward pass (the
     lowest layers'), where every finished gradient is held
-    (`memory_model.accelerator_peak`): the state, every gradient, the data
-    and targets, what those stages still keep (their own residuals and the
-    activations kept for them) and the transient `T`.
+    (`memory_model.accelerator_peak`): the state, every gradient, one
+    combined reduction of them, the data and targets, what those stages
+    still keep (their own residuals and the activations kept for them) and
+    the transient `T`.
 
     The first row (`add_peak_budget`) covers the top stages: every kept
     activation, no gradient. Going down, the gradients held grow and the
@@ -248,6 +250,14 @@ def _lowest_stage_rows(
     for tid in graph.outputs:
         if graph.tensors[tid].requires_grad:
             state_constant += graph.tensors[tid].nbytes / data_ways * part
+    # One combined reduction of the gradients (`memory_model.accelerator_peak`),
+    # at most every parameter's bytes.
+    state_constant += min(
+        COMBINE_THRESHOLD_BYTES,
+        sum(
+            t.nbytes for t in graph.tensors if t.kind == "param" and t.id not in unread
+        ),
+    )
     rows = []
     kept: dict[int, float] = {}
     kept_constant = 0.0
