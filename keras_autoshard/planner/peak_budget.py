@@ -250,14 +250,13 @@ def _lowest_stage_rows(
     for tid in graph.outputs:
         if graph.tensors[tid].requires_grad:
             state_constant += graph.tensors[tid].nbytes / data_ways * part
-    # One combined reduction of the gradients (`memory_model.accelerator_peak`),
-    # at most every parameter's bytes.
-    state_constant += min(
-        COMBINE_THRESHOLD_BYTES,
-        sum(
-            t.nbytes for t in graph.tensors if t.kind == "param" and t.id not in unread
-        ),
-    )
+    # One combined reduction of the gradients (`memory_model.accelerator_peak`):
+    # all of them, in their compute layout, while together they are under
+    # XLA's threshold; past it, that share of each (a row must be linear).
+    read = [t for t in graph.tensors if t.kind == "param" and t.id not in unread]
+    share = min(1.0, COMBINE_THRESHOLD_BYTES / max(1, sum(t.nbytes for t in read)))
+    for tensor in read:
+        state_constant += add(state, tensor, False, share)
     rows = []
     kept: dict[int, float] = {}
     kept_constant = 0.0
