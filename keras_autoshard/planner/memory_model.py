@@ -72,6 +72,7 @@ from keras_autoshard.planner.remat import (
     backward_stages,
     layer_calls,
 )
+from keras_autoshard.planner.split_k import split_parts
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -402,6 +403,7 @@ def accelerator_peak(
         largest[stage] = max(largest[stage], size)
     whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
+    split = split_gradient_bytes(graph, whole, sizes)
     made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
     combined = [0.0] * len(stages)  # the largest combined reduction so far
     group = largest_group = 0.0
@@ -409,7 +411,9 @@ def accelerator_peak(
         made_above[i] = made_above[i + 1]
         for tid in stages[i].gradients:
             tensor = graph.tensors[tid]
-            made_above[i] += local_bytes(tensor, assignment, sizes)
+            made_above[i] += max(
+                local_bytes(tensor, assignment, sizes), split.get(tid, 0.0)
+            )
             if batch_axes - set(tensor_axes(tensor, whole)):
                 # Combined in the order they are made, up to the threshold.
                 size = local_bytes(tensor, whole, sizes)
@@ -427,6 +431,41 @@ def accelerator_peak(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
     return best[1], best[2], best[3]
+
+
+def split_gradient_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, float]:
+    """Parameter id -> bytes of its gradient's partial products where
+    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
+    small weights against many tokens); held in their place until the sum.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (the
+            gradient is formed in the compute layout).
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Float32 bytes of the partial products per device, for the
+        parameters whose gradient is split (others are absent).
+    """
+    held: dict[int, float] = {}
+    for event in graph.comm_events:
+        tensor = graph.tensors[event.tensor]
+        if event.kind != "contract" or event.phase != "backward":
+            continue
+        if tensor.kind != "param":
+            continue
+        tokens = 1.0
+        for cls in event.classes:
+            axis = assignment.class_axis.get(cls)
+            tokens *= graph.classes[cls].size / (sizes[axis] if axis else 1)
+        elements = local_bytes(tensor, assignment, sizes) / tensor.itemsize
+        parts = split_parts(tokens, elements)
+        if parts > 1:
+            held[tensor.id] = max(held.get(tensor.id, 0.0), 4.0 * parts * elements)
+    return held
 
 
 def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:

@@ -1,0 +1,67 @@
+"""How many parts XLA:GPU splits a weight gradient's contraction into.
+
+A weight gradient contracts over the tokens (`K`: batch × sequence on one
+device) into an output of the weight's size. When that output is small
+against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
+products of the output's size, in float32, summed afterwards. The partial
+buffer is what the step holds for that gradient until the sum (read off
+XLA:GPU's buffers at the compiled peak of the zoo's Llama on 2x4: each
+layer's query-kernel gradient, `f32[8,128,256]`, 8 partials of a 128 ×
+256 shard over 256 local tokens, live from its layer's backward pass to
+the updates).
+
+`SPLITS` is what XLA:GPU (jax 0.10.2, default options, compiled for one
+H100 ahead of time) chose for a lone `einsum("km,kn->mn")` of `K` tokens
+into `M × N` elements, float32 or bfloat16 alike, on a grid of powers of
+two (`python -m benchmarks.split_k_probe` prints it). Between grid points
+the lower `K` and the lower element count are read (more parts, as `S`
+falls with the element count), so the buffer is not under-counted. From
+4 Mi elements on (a 2048 × 2048 shard), XLA:GPU does not split: weights at
+real widths are never split.
+
+Example:
+
+```python
+split_parts(tokens=256, elements=128 * 256)  # 8
+```
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+# log2(K) -> ((log2(elements), parts) for increasing element counts).
+SPLITS: dict[int, tuple[tuple[int, int], ...]] = {
+    7: ((12, 8), (14, 8), (16, 4), (18, 1)),
+    8: ((12, 8), (14, 8), (16, 4), (18, 1)),
+    9: ((12, 16), (14, 16), (16, 8), (18, 4), (19, 1)),
+    10: ((12, 16), (14, 16), (16, 8), (18, 4), (20, 1)),
+    11: ((12, 32), (14, 32), (16, 16), (18, 8), (19, 4), (20, 2), (22, 1)),
+    12: ((12, 32), (14, 32), (16, 16), (18, 8), (20, 2), (22, 1)),
+    13: ((12, 64), (14, 64), (16, 32), (18, 8), (19, 4), (20, 2), (22, 1)),
+    14: ((12, 64), (14, 64), (16, 32), (18, 8), (19, 4), (20, 2), (22, 1)),
+    15: ((12, 128), (14, 64), (16, 32), (18, 8), (20, 4), (22, 1)),
+    17: ((12, 256), (14, 128), (16, 32), (18, 16), (19, 8), (20, 4), (22, 1)),
+}
+# No split from this many output elements on, whatever K.
+UNSPLIT_ELEMENTS = 2**22
+
+
+def split_parts(tokens: float, elements: float) -> int:
+    """Partial products XLA:GPU makes for a contraction of `tokens` into
+    `elements` outputs (1: not split).
+
+    Args:
+        tokens: The contracted size on one device.
+        elements: The output's elements on one device.
+
+    Returns:
+        The number of partial products (at least 1).
+    """
+    if elements >= UNSPLIT_ELEMENTS or tokens < 2**7 or elements < 1:
+        return 1
+    rows = sorted(SPLITS)
+    row = SPLITS[rows[max(0, bisect.bisect_right(rows, math.log2(tokens)) - 1)]]
+    at = max(0, bisect.bisect_right([e for e, _ in row], math.log2(elements)) - 1)
+    return row[at][1]
