@@ -354,7 +354,9 @@ def accelerator_peak(
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
     six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
     6.3 MB each, as the combined all-reduce's operand and result; six
-    4096-wide ones, 16 MiB per kernel, combine one layer's each).
+    4096-wide ones, 16 MiB per kernel, combine one layer's each), and the
+    partial products of the layer's weight gradients that XLA:GPU splits
+    over the tokens (`split_gradient_bytes`; none at real widths).
     Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
     widths on 32x8, every layer rematerialized, peaks at the top layer (the
     layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
@@ -404,6 +406,7 @@ def accelerator_peak(
     whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)
+    partials = [0.0] * len(stages)  # split-K partial products made there
     made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
     combined = [0.0] * len(stages)  # the largest combined reduction so far
     group = largest_group = 0.0
@@ -411,9 +414,8 @@ def accelerator_peak(
         made_above[i] = made_above[i + 1]
         for tid in stages[i].gradients:
             tensor = graph.tensors[tid]
-            made_above[i] += max(
-                local_bytes(tensor, assignment, sizes), split.get(tid, 0.0)
-            )
+            made_above[i] += local_bytes(tensor, assignment, sizes)
+            partials[i] += split.get(tid, 0.0)
             if batch_axes - set(tensor_axes(tensor, whole)):
                 # Combined in the order they are made, up to the threshold.
                 size = local_bytes(tensor, whole, sizes)
@@ -426,7 +428,7 @@ def accelerator_peak(
     for i, stage in enumerate(stages):
         alive += held(stage.kept_to_here)
         kept = alive + held(stage.own)
-        workspace = largest[i] + combined[i]
+        workspace = largest[i] + combined[i] + partials[i]
         best = max(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
@@ -438,7 +440,7 @@ def split_gradient_bytes(
 ) -> dict[int, float]:
     """Parameter id -> bytes of its gradient's partial products where
     XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
-    small weights against many tokens); held in their place until the sum.
+    small weights against many tokens), live until they are summed.
 
     Args:
         graph: The model's axis graph.
