@@ -96,10 +96,13 @@ def test_train_step_compiles_for_8_h100s_with_no_weight_allocated(compiled):
 def test_a_gpu_plan_filling_its_budget_compiles_within_it_on_xla_gpu():
     """The budget's promise on the compiler it is made for: a plan for
     H100s (XLA:GPU's estimate) under the least budget it fits, less
-    `HEADROOM` and `HEADROOM_BYTES` (the worst under-estimate measured on
-    XLA:GPU: BENCHMARKS.md "memory truth on XLA:GPU"), compiled by XLA:GPU
-    for 8 H100s, fits that budget. Without `HEADROOM_BYTES` it does not:
-    this model's compiled peak is over its estimate by more than 14 %."""
+    `HEADROOM` and `HEADROOM_BYTES` (the worst under-estimates measured on
+    XLA:GPU: BENCHMARKS.md "memory truth on XLA:GPU" and "real-size memory
+    truth on XLA:GPU"), compiled by XLA:GPU for 8 H100s, fits that budget,
+    and its estimate is within 15 % of the compiled peak (measured: 20.22
+    against 18.14 MB, 1.11; the zoo's small plans span 0.71 to 1.28). Before
+    the estimate held every gradient to the updates this model compiled more
+    than 14 % over its estimate, which only `HEADROOM_BYTES` covered."""
     from keras_autoshard.plans.estimate import HEADROOM, HEADROOM_BYTES
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
@@ -115,5 +118,5 @@ def test_a_gpu_plan_filling_its_budget_compiles_within_it_on_xla_gpu():
         compile_for_target(build_llama, fitted, (x, y), "h100-80gb").step.memory
     )
     assert compiled <= budget, (compiled, budget, fitted.estimate.to_dict())
-    # The same plan's share alone would not hold it (the fixed deficit).
-    assert compiled > fitted.estimate.peak_bytes / (1 - room)
+    ratio = fitted.estimate.peak_bytes / compiled
+    assert abs(ratio - 1) <= 0.15, (ratio, fitted.estimate.to_dict())
