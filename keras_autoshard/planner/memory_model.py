@@ -72,7 +72,7 @@ from keras_autoshard.planner.remat import (
     backward_stages,
     layer_calls,
 )
-from keras_autoshard.planner.split_k import split_parts
+from keras_autoshard.planner.split_k import split_gradient_bytes
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -356,7 +356,7 @@ def accelerator_peak(
     6.3 MB each, as the combined all-reduce's operand and result; six
     4096-wide ones, 16 MiB per kernel, combine one layer's each), and the
     partial products of the layer's weight gradients that XLA:GPU splits
-    over the tokens (`split_gradient_bytes`; none at real widths).
+    over the tokens (`split_k.split_gradient_bytes`; none at real widths).
     Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
     widths on 32x8, every layer rematerialized, peaks at the top layer (the
     layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
@@ -433,41 +433,6 @@ def accelerator_peak(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
     return best[1], best[2], best[3]
-
-
-def split_gradient_bytes(
-    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> dict[int, float]:
-    """Parameter id -> bytes of its gradient's partial products where
-    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
-    small weights against many tokens), live until they are summed.
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out (the
-            gradient is formed in the compute layout).
-        sizes: Mesh axis name -> size.
-
-    Returns:
-        Float32 bytes of the partial products per device, for the
-        parameters whose gradient is split (others are absent).
-    """
-    held: dict[int, float] = {}
-    for event in graph.comm_events:
-        tensor = graph.tensors[event.tensor]
-        if event.kind != "contract" or event.phase != "backward":
-            continue
-        if tensor.kind != "param":
-            continue
-        tokens = 1.0
-        for cls in event.classes:
-            axis = assignment.class_axis.get(cls)
-            tokens *= graph.classes[cls].size / (sizes[axis] if axis else 1)
-        elements = local_bytes(tensor, assignment, sizes) / tensor.itemsize
-        parts = split_parts(tokens, elements)
-        if parts > 1:
-            held[tensor.id] = max(held.get(tensor.id, 0.0), 4.0 * parts * elements)
-    return held
 
 
 def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:

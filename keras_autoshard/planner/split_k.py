@@ -5,7 +5,8 @@ device) into an output of the weight's size. When that output is small
 against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
 products of the output's size, in float32, summed afterwards.
 `memory_model.accelerator_peak` counts every partial buffer of a layer's
-weight gradients while that layer's backward pass runs. Read off XLA:GPU's
+weight gradients (`split_gradient_bytes`) while that layer's backward pass
+runs. Read off XLA:GPU's
 buffers at the compiled peak of the zoo's Llama on 2x4: `f32[8,128,256]`
 partial products (8 of them over 256 local tokens) beside the layer's
 other buffers. Some outlive their layer's backward pass, but counting
@@ -33,6 +34,9 @@ from __future__ import annotations
 
 import bisect
 import math
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.cost_model import Assignment, local_bytes
 
 # log2(K) -> (log2(elements) from which, parts) for increasing element
 # counts; printed as is by `python -m benchmarks.split_k_probe`.
@@ -69,3 +73,38 @@ def split_parts(tokens: float, elements: float) -> int:
     row = SPLITS[rows[max(0, bisect.bisect_right(rows, math.log2(tokens)) - 1)]]
     at = max(0, bisect.bisect_right([e for e, _ in row], math.log2(elements)) - 1)
     return row[at][1]
+
+
+def split_gradient_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, float]:
+    """Parameter id -> bytes of its gradient's partial products where
+    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
+    small weights against many tokens), live until they are summed.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (the
+            gradient is formed in the compute layout).
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Float32 bytes of the partial products per device, for the
+        parameters whose gradient is split (others are absent).
+    """
+    held: dict[int, float] = {}
+    for event in graph.comm_events:
+        tensor = graph.tensors[event.tensor]
+        if event.kind != "contract" or event.phase != "backward":
+            continue
+        if tensor.kind != "param":
+            continue
+        tokens = 1.0
+        for cls in event.classes:
+            axis = assignment.class_axis.get(cls)
+            tokens *= graph.classes[cls].size / (sizes[axis] if axis else 1)
+        elements = local_bytes(tensor, assignment, sizes) / tensor.itemsize
+        parts = split_parts(tokens, elements)
+        if parts > 1:
+            held[tensor.id] = max(held.get(tensor.id, 0.0), 4.0 * parts * elements)
+    return held
