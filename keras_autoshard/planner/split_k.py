@@ -6,20 +6,22 @@ against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
 products of the output's size, in float32, summed afterwards.
 `memory_model.accelerator_peak` counts every partial buffer of a layer's
 weight gradients (`split_gradient_bytes`) while that layer's backward pass
-runs. Read off XLA:GPU's
-buffers at the compiled peak of the zoo's Llama on 2x4: `f32[8,128,256]`
-partial products (8 of them over 256 local tokens) beside the layer's
-other buffers. Some outlive their layer's backward pass, but counting
-every one of them until the updates put the zoo's KerasHub transformers at
-up to 1.70 of their compiled peak (`benchmarks/memory_truth_gpu.py`),
-against 1.04 for that Llama with the layer's own.
+runs. Read off XLA:GPU's buffers at the compiled peak of the zoo's Llama on
+2x4: `f32[8,128,256]` partial products (8 of them over 256 local tokens)
+beside the layer's other buffers. Some outlive their layer's backward
+pass, but counting every one of them until the updates put the zoo's
+KerasHub transformers at up to 1.70 of their compiled peak
+(`benchmarks/memory_truth_gpu.py`), against 1.04 for that Llama with the
+layer's own.
 
 `SPLITS` is what XLA:GPU (jax 0.10.2, default options, compiled for one
 H100 ahead of time) chose for a lone `einsum("km,kn->mn")` of `K` tokens
 into `M × N` elements, float32 or bfloat16 alike, on a grid of powers of
 two (`python -m benchmarks.split_k_probe` prints it). Between grid points
-the lower `K` and the lower element count are read (more parts, as `S`
-falls with the element count), so the buffer is not under-counted. From
+the lower `K` and the lower element count are read: the lower element count
+gives more parts (`S` falls with it), the lower `K` fewer (`S` grows with
+it), so between powers of two of `K` the buffer may be under-counted, by at
+most the next row's factor (2 on the grid). From
 4 Mi elements on (a 2048 × 2048 shard), XLA:GPU does not split: weights at
 real widths are never split.
 
