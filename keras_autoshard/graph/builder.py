@@ -223,13 +223,16 @@ class _GraphBuilder:
         self.other_residual_bytes = 0
         # Tensors computed from constants only.
         self.constant_like: set[int] = set()
-        # Output of an elementwise (fusible) equation -> its operands; and
-        # the tensors some unfusible equation (a matmul, a gather) reads.
+        # Output of an elementwise (fusible) equation -> its operands.
         self.fused_from: dict[int, tuple[int, ...]] = {}
-        self.feeds_unfused: set[int] = set()
+        # Output of a fusible equation -> its primitive's name.
+        self.made_by: dict[int, str] = {}
         # Operand -> primitives of the unfusible equations that read it, and
         # a reduction's output -> its operand (`graph/fusion.py`).
         self.unfused_readers: dict[int, set[str]] = {}
+        # The same for the source of a relabelled view an unfusible
+        # equation reads (a matmul reading a copy or reshape of it).
+        self.readers_through_views: dict[int, set[str]] = {}
         self.reduced_from: dict[int, int] = {}
         # Operand -> buffers of its size its equation's backward needs at once.
         self.workspaces: dict[int, float] = {}
@@ -260,10 +263,13 @@ class _GraphBuilder:
             if name in FUSIBLE_PRIMITIVES:
                 for tid in outs:
                     self.fused_from[tid] = tuple(eqn.ins)
+                    self.made_by[tid] = name
             else:
-                self.feeds_unfused.update(eqn.ins)
                 for tid in eqn.ins:
                     self.unfused_readers.setdefault(tid, set()).add(name)
+                    if tid in self.view_of:
+                        readers = self.readers_through_views
+                        readers.setdefault(self.view_of[tid], set()).add(name)
                 if name in REDUCTIONS and eqn.ins and outs:
                     self.reduced_from[outs[0]] = eqn.ins[0]
         if all(t in self.constant_like for t in eqn.ins):

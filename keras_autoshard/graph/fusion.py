@@ -18,6 +18,22 @@ REDUCTIONS = frozenset(
 )
 
 
+# Elementwise primitives whose output XLA:GPU materialises, by the bytes of
+# an element of that output, rather than compute it again in the backward
+# pass's fusion from the values it was made of (its cost model does not
+# duplicate them). Read off XLA:GPU's buffers by
+# `python -m benchmarks.fusion_probe` (jax 0.10.2, H100 target): a residual
+# stack whose layers compute `x * f(x)` keeps f(x) once more per layer for
+# these; for the others (erf, exp, logistic, log, expm1, sqrt, rsqrt,
+# division, cbrt, tan, sinh, asinh and all of float32 but sin) it does not.
+MATERIALISED_ON_ACCELERATORS = {
+    2: frozenset(
+        {"tanh", "erfc", "log1p", "sin", "cos", "atan", "erf_inv", "pow", "lgamma"}
+    ),
+    4: frozenset({"sin"}),
+}
+
+
 def kept_after_fusion(
     builder: Any, within_layers: bool = False, accelerator: bool = False
 ) -> tuple[Kept, ...]:
@@ -85,13 +101,23 @@ def _fusion_roots(
         return memo[tid]
     memo[tid] = (tid,)  # a cycle guard; loops do not occur in a jaxpr
     operands = builder.fused_from.get(tid)
-    if operands is None:
+    if operands is None or (accelerator and _materialised(builder, tid)):
         return memo[tid]
-    if tid in builder.feeds_unfused:
-        if not accelerator or not builder.unfused_readers.get(tid, set()) <= REDUCTIONS:
+    readers = builder.unfused_readers.get(tid, set())
+    if accelerator:
+        # XLA:GPU materialises what a matmul reads through a copy or a
+        # reshape (a Keras exact GELU's output is copied before the next
+        # Dense reads it); on XLA:CPU it does not (measured on the zoo's
+        # mlp: counting it put the estimate 19 % over on 1x8).
+        readers = readers | builder.readers_through_views.get(tid, set())
+    if readers:
+        if not accelerator or not readers <= REDUCTIONS:
             return memo[tid]
         roots = _operand_roots(builder, tid, operands, memo, within_layers, True)
-        if not _second_pass(builder, roots, memo, within_layers):
+        if not (
+            _widening_cast(builder, tid)
+            or _second_pass(builder, roots, memo, within_layers)
+        ):
             return memo[tid]
         memo[tid] = tuple(roots)
         return memo[tid]
@@ -101,12 +127,54 @@ def _fusion_roots(
     return memo[tid]
 
 
+def _materialised(builder: Any, tid: int) -> bool:
+    """Whether XLA:GPU keeps `tid`, an elementwise output, as it is
+    (`MATERIALISED_ON_ACCELERATORS`)."""
+    itemsize = builder.tensors[tid].itemsize
+    made_by = builder.made_by.get(tid, "")
+    return made_by in MATERIALISED_ON_ACCELERATORS.get(itemsize, ())
+
+
+def _widening_cast(builder: Any, tid: int) -> bool:
+    """Whether `tid` casts its one operand to a wider type (a LayerNorm's
+    float32 input under `mixed_bfloat16`): fused into the reductions that
+    read it and cast again where the backward pass reads it, keeping the
+    narrower operand (XLA:GPU at ViT-22B widths keeps the bfloat16 residual
+    stream, no float32 copy)."""
+    if builder.made_by.get(tid) != "convert_element_type":
+        return False
+    (operand,) = builder.fused_from[tid]
+    return builder.tensors[operand].itemsize < builder.tensors[tid].itemsize
+
+
+def _reduced_behind(builder: Any, root: int) -> int | None:
+    """The operand of the reduction `root` is, or is made from alone by
+    elementwise work with constants and relabels (a softmax's maximum,
+    clamped and transposed before it is subtracted)."""
+    for _ in range(len(builder.tensors)):
+        if root in builder.reduced_from:
+            return builder.reduced_from[root]
+        if root in builder.view_of:
+            root = builder.view_of[root]
+            continue
+        operands = [
+            t
+            for t in builder.fused_from.get(root, ())
+            if t not in builder.constant_like
+        ]
+        if len(operands) != 1:
+            return None
+        root = operands[0]
+    return None
+
+
 def _second_pass(builder: Any, roots: list[int], memo, within_layers: bool) -> bool:
-    """Whether `roots` hold a reduction's result together with the value
-    (or what it is recomputed from) that reduction reduced."""
+    """Whether `roots` hold a reduction's result (or a value made from it
+    alone) together with the value (or what it is recomputed from) that
+    reduction reduced."""
     held = set(roots)
     for root in roots:
-        reduced = builder.reduced_from.get(root)
+        reduced = _reduced_behind(builder, root)
         if reduced is None:
             continue
         reduced = builder.view_of.get(reduced, reduced)
