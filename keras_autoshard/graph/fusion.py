@@ -32,6 +32,11 @@ MATERIALISED_ON_ACCELERATORS = {
     ),
     4: frozenset({"sin"}),
 }
+# Of those, the ones whose operand the forward fusion emits too, for the
+# derivative (`exp(-u^2)` of `erfc(u)`): a Keras exact GELU after a biased
+# Dense keeps `u = -x / sqrt(2)` beside `erfc(u)` (ViT-22B widths; the
+# stack in `tests/test_residual_fusion_gpu.py`). Not measured for the others.
+OPERAND_EMITTED = frozenset({"erfc"})
 
 
 def kept_after_fusion(
@@ -78,6 +83,8 @@ def kept_after_fusion(
                 if within_layers and made_in not in by_layers
                 else _fusion_roots(builder, tid, roots_of, within_layers, accelerator)
             )
+            if accelerator:
+                roots = (*roots, *_emitted_operands(builder, tuple(roots)))
             for root in roots:
                 key = (root, scale) if root == tid else (root, 1.0)
                 kept[key] = max(kept.get(key, 0), times)
@@ -133,6 +140,28 @@ def _materialised(builder: Any, tid: int) -> bool:
     itemsize = builder.tensors[tid].itemsize
     made_by = builder.made_by.get(tid, "")
     return made_by in MATERIALISED_ON_ACCELERATORS.get(itemsize, ())
+
+
+def _emitted_operands(builder: Any, roots: tuple[int, ...]) -> list[int]:
+    """Operands the forward fusion emits beside a materialised output whose
+    derivative reads them (`OPERAND_EMITTED`)."""
+    emitted: list[int] = []
+    for root in roots:
+        if builder.made_by.get(root) not in OPERAND_EMITTED:
+            continue
+        if not _materialised(builder, root):
+            continue
+        for operand in builder.fused_from[root]:
+            operand = builder.view_of.get(operand, operand)
+            tensor = builder.tensors[operand]
+            if (
+                tensor.shape == builder.tensors[root].shape
+                and builder.is_activation(operand)
+                and operand not in roots
+                and operand not in emitted
+            ):
+                emitted.append(operand)
+    return emitted
 
 
 def _widening_cast(builder: Any, tid: int) -> bool:

@@ -30,7 +30,7 @@ planned on), the activations are kept as XLA:GPU fuses them
 one per layer in reverse call order (`accelerator_peak`): each holds what
 the layers not yet differentiated keep, the current layer's own residuals,
 the gradients finished so far (held to the updates, after the backward
-pass) and one buffer of its largest batch activation; gradient
+pass) and two buffers of its largest batch activation; gradient
 accumulation adds no update phase.
 
 For inference (`predict`), the parameters, the data, the predictions (the
@@ -82,6 +82,14 @@ JOBS = ("train", "inference", "generate")
 # reduce-scatter twin, `xla/service/collective_utils.h`); a combined one's
 # concatenated operand and its result are live at once.
 COMBINE_THRESHOLD_BYTES = 30 * 2**20
+# Buffers of its largest batch activation an accelerator's backward stage
+# holds for the gradient being formed: an elementwise equation's backward
+# pass reads the gradient of its output while it writes that of its input
+# (XLA:GPU, a pre-norm SiLU MLP stack under mixed_bfloat16 at its top
+# layer: the SiLU output's gradient, from the down projection's transposed
+# product, beside the gradient of its input, 64 MiB each;
+# `tests/test_residual_fusion_gpu.py`).
+ACCELERATOR_GRADIENT_BUFFERS = 2
 
 
 def estimate_memory(
@@ -347,8 +355,9 @@ def accelerator_peak(
     to the end. A stage holds: every kept activation some layer not yet
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized),
-    the gradients of every parameter read by it or a layer above, one
-    buffer of its largest batch activation for the gradient being formed,
+    the gradients of every parameter read by it or a layer above,
+    `ACCELERATOR_GRADIENT_BUFFERS` buffers of its largest batch activation
+    for the gradient being formed,
     and the largest combined reduction of the gradients over the batch axes
     so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
@@ -402,7 +411,7 @@ def accelerator_peak(
             continue
         stage = position.get(graph.tensor_layers[tensor.id], last)
         size = local_bytes(tensor, assignment, sizes) * part
-        largest[stage] = max(largest[stage], size)
+        largest[stage] = max(largest[stage], ACCELERATOR_GRADIENT_BUFFERS * size)
     whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)
