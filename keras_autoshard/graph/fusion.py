@@ -22,15 +22,17 @@ REDUCTIONS = frozenset(
 # an element of that output, rather than compute it again in the backward
 # pass's fusion from the values it was made of (its cost model does not
 # duplicate them). Read off XLA:GPU's buffers by
-# `python -m benchmarks.fusion_probe` (jax 0.10.2, H100 target): a residual
-# stack whose layers compute `x * f(x)` keeps f(x) once more per layer for
-# these; for the others (erf, exp, logistic, log, expm1, sqrt, rsqrt,
-# division, cbrt, tan, sinh, asinh and all of float32 but sin) it does not.
+# `python -m benchmarks.fusion_probe` (jax 0.10.2, H100 target, 2 minutes):
+# a residual stack whose layers compute `x * f(x)` keeps one more buffer of
+# f(x) per layer for these (lgamma 3 to 5 more, counted as one); for erf,
+# exp, logistic, log, expm1, tan, sinh, asinh, sqrt, rsqrt, division and
+# cbrt, and float32 tanh, erfc, log1p and atan, it keeps none. `pow` is
+# kept too with the probe's exponent 0.7 but left out: XLA rewrites a
+# constant exponent 2 (a Llama RMSNorm's `power(x, 2)`) as a product, which
+# is computed again.
 MATERIALISED_ON_ACCELERATORS = {
-    2: frozenset(
-        {"tanh", "erfc", "log1p", "sin", "cos", "atan", "erf_inv", "pow", "lgamma"}
-    ),
-    4: frozenset({"sin"}),
+    2: frozenset({"atan", "cos", "erf_inv", "erfc", "lgamma", "log1p", "sin", "tanh"}),
+    4: frozenset({"cos", "erf_inv", "lgamma", "sin"}),
 }
 # Of those, the ones whose operand the forward fusion emits too, for the
 # derivative (`exp(-u^2)` of `erfc(u)`): a Keras exact GELU after a biased
@@ -59,9 +61,17 @@ def kept_after_fusion(
     instead. Values an unfusible equation reads (a matmul's operands)
     or makes (its output, a reduction's) are materialised as they are.
 
+    With `accelerator` (XLA:GPU's program), four more rules, each read off
+    XLA:GPU's buffers: what a matmul reads through a copy or reshape is
+    materialised; a value read only by reductions is fused into them when
+    it is a normalisation's second pass or a widening cast; the outputs of
+    `MATERIALISED_ON_ACCELERATORS` are kept as they are, with the operands
+    `OPERAND_EMITTED` ones read in their derivative.
+
     Args:
         builder: The walk's `_GraphBuilder`.
         within_layers: Stop fusions at layer-call boundaries.
+        accelerator: Apply XLA:GPU's rules (above).
 
     Returns:
         One `Kept` per materialised residual, sorted by tensor id.
