@@ -76,7 +76,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
-from keras_autoshard.graph.fusion import REDUCTIONS, kept_after_fusion
+from keras_autoshard.graph.fusion import kept_after_fusion, note_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -260,18 +260,7 @@ class _GraphBuilder:
         if name in WORKSPACE_FACTORS and eqn.ins:
             self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
         if name not in STRUCTURAL_PRIMITIVES:
-            if name in FUSIBLE_PRIMITIVES:
-                for tid in outs:
-                    self.fused_from[tid] = tuple(eqn.ins)
-                    self.made_by[tid] = name
-            else:
-                for tid in eqn.ins:
-                    self.unfused_readers.setdefault(tid, set()).add(name)
-                    if tid in self.view_of:
-                        readers = self.readers_through_views
-                        readers.setdefault(self.view_of[tid], set()).add(name)
-                if name in REDUCTIONS and eqn.ins and outs:
-                    self.reduced_from[outs[0]] = eqn.ins[0]
+            note_fusion(self, name, name in FUSIBLE_PRIMITIVES, eqn.ins, outs)
         if all(t in self.constant_like for t in eqn.ins):
             # Computed from constants alone (rotary tables from iota): XLA
             # folds it into the program's constants, nothing is kept.

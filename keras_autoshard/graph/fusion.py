@@ -7,6 +7,7 @@ each tensor) and returns the `Kept` list of the axis graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from keras_autoshard.graph.axis_graph import Kept
@@ -39,6 +40,28 @@ MATERIALISED_ON_ACCELERATORS = {
 # Dense keeps `u = -x / sqrt(2)` beside `erfc(u)` (ViT-22B widths; the
 # stack in `tests/test_residual_fusion_gpu.py`). Not measured for the others.
 OPERAND_EMITTED = frozenset({"erfc"})
+
+
+def note_fusion(
+    builder: Any, name: str, fusible: bool, ins: Sequence[int], outs: Sequence[int]
+) -> None:
+    """Record what the fusion rules read of one equation (`name`, reading
+    `ins`, making `outs`) in the walk's state: a fusible equation's outputs
+    are made from `ins` by `name`; an unfusible one reads `ins` (and the
+    sources of the views among them); a reduction's output reduces its
+    first operand."""
+    if fusible:
+        for tid in outs:
+            builder.fused_from[tid] = tuple(ins)
+            builder.made_by[tid] = name
+        return
+    for tid in ins:
+        builder.unfused_readers.setdefault(tid, set()).add(name)
+        if tid in builder.view_of:
+            readers = builder.readers_through_views
+            readers.setdefault(builder.view_of[tid], set()).add(name)
+    if name in REDUCTIONS and ins and outs:
+        builder.reduced_from[outs[0]] = ins[0]
 
 
 def kept_after_fusion(
