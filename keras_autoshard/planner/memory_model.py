@@ -82,14 +82,6 @@ JOBS = ("train", "inference", "generate")
 # reduce-scatter twin, `xla/service/collective_utils.h`); a combined one's
 # concatenated operand and its result are live at once.
 COMBINE_THRESHOLD_BYTES = 30 * 2**20
-# Buffers of its largest batch activation an accelerator's backward stage
-# holds for the gradient being formed. One: where the largest is a
-# transformer's attention scores XLA:GPU holds one at a time (Llama-2-70B
-# widths on 32x8, 2 layers: counting two put the estimate at 1.16 of the
-# compiled peak, from 0.91). Where it is an MLP's activation, the backward
-# pass of the activation holds the gradients of its output and its input at
-# once, the second not counted (`tests/test_residual_fusion_gpu.py`).
-ACCELERATOR_GRADIENT_BUFFERS = 1
 
 
 def estimate_memory(
@@ -355,9 +347,8 @@ def accelerator_peak(
     to the end. A stage holds: every kept activation some layer not yet
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized),
-    the gradients of every parameter read by it or a layer above,
-    `ACCELERATOR_GRADIENT_BUFFERS` buffers of its largest batch activation
-    for the gradient being formed,
+    the gradients of every parameter read by it or a layer above, one
+    buffer of its largest batch activation for the gradient being formed,
     and the largest combined reduction of the gradients over the batch axes
     so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
@@ -411,7 +402,14 @@ def accelerator_peak(
             continue
         stage = position.get(graph.tensor_layers[tensor.id], last)
         size = local_bytes(tensor, assignment, sizes) * part
-        largest[stage] = max(largest[stage], ACCELERATOR_GRADIENT_BUFFERS * size)
+        # One buffer for the gradient being formed: where the largest is a
+        # transformer's attention scores XLA:GPU holds one at a time
+        # (Llama-2-70B widths on 32x8, 2 layers: counting two put the
+        # estimate at 1.16 of the compiled peak, from 0.92). Where it is an
+        # MLP's activation, the backward pass of the activation holds the
+        # gradients of its output and its input at once, the second not
+        # counted (`tests/test_residual_fusion_gpu.py`).
+        largest[stage] = max(largest[stage], size)
     whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)

@@ -53,10 +53,7 @@ from keras_autoshard.planner.cost_model import (
     widening,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import (
-    ACCELERATOR_GRADIENT_BUFFERS,
-    COMBINE_THRESHOLD_BYTES,
-)
+from keras_autoshard.planner.memory_model import COMBINE_THRESHOLD_BYTES
 from keras_autoshard.planner.remat import (
     accelerator_stages,
     gathered_param_terms,
@@ -281,8 +278,8 @@ def _transient_candidates(
     graph, train: bool, half: bool, part: float = 1.0, accelerator: bool = False
 ):
     """(tensor, buffers of its size) that may be the largest transient: on
-    an accelerator `ACCELERATOR_GRADIENT_BUFFERS` buffers of a batch
-    activation in training (the gradient being formed), on XLA:CPU three."""
+    an accelerator one buffer of a batch activation in training (the
+    gradient being formed), on XLA:CPU three."""
 
     batch_classes = batch_carrying_classes(graph)
     outputs = set(graph.outputs)
@@ -294,8 +291,7 @@ def _transient_candidates(
             continue
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
         if train:
-            buffers = ACCELERATOR_GRADIENT_BUFFERS if accelerator else 3.0
-            factor = buffers * part if carries_batch else 1.0
+            factor = (1.0 if accelerator else 3.0) * part if carries_batch else 1.0
         else:  # a layer's input and output; one weight-derived copy
             factor = 2.0 if carries_batch else 1.0
         factor *= widening(tensor, half)
