@@ -17,13 +17,13 @@ python -m benchmarks.split_k_probe
 
 from __future__ import annotations
 
-import itertools
 import re
 
 TOKENS_LOG2 = (7, 8, 9, 10, 11, 12, 13, 14, 15, 17)
-# (M, N) with M × N = 2**12 … 2**23.
-OUTPUTS = ((64, 64), (128, 128), (256, 256), (512, 512), (512, 1024), (1024, 1024),
-           (2048, 2048), (2048, 4096))  # fmt: skip
+# The output's two dims, each 2**4 … 2**12: XLA:GPU's choice depends on
+# both (a 256 x 32 output of 512 tokens is split in 8, a 64 x 128 one with
+# as many elements in 16), not on their product alone.
+DIMS_LOG2 = tuple(range(4, 13))
 
 
 def split_parts_compiled(tokens: int, m: int, n: int, dtype) -> int:
@@ -57,21 +57,22 @@ def split_parts_compiled(tokens: int, m: int, n: int, dtype) -> int:
 def main() -> None:
     import jax.numpy as jnp
 
-    table: dict[int, list[tuple[int, int]]] = {}
-    for k_log2, (m, n) in itertools.product(TOKENS_LOG2, OUTPUTS):
-        parts = {
-            split_parts_compiled(2**k_log2, m, n, dtype)
-            for dtype in (jnp.float32, jnp.bfloat16)
-        }
-        if len(parts) > 1:
-            print(f"K=2**{k_log2}, {m}x{n}: the dtypes differ: {sorted(parts)}")
-        row = table.setdefault(k_log2, [])
-        e_log2 = (m * n).bit_length() - 1
-        if not row or row[-1][1] != max(parts):
-            row.append((e_log2, max(parts)))
     print("SPLITS = {")
-    for k_log2, row in table.items():
-        print(f"    {k_log2}: {tuple(row)},")
+    for k_log2 in TOKENS_LOG2:
+        print(f"    {k_log2}: (")
+        for m_log2 in DIMS_LOG2:
+            row = []
+            for n_log2 in DIMS_LOG2:
+                m, n = 2**m_log2, 2**n_log2
+                parts = {
+                    split_parts_compiled(2**k_log2, m, n, dtype)
+                    for dtype in (jnp.float32, jnp.bfloat16)
+                }
+                if len(parts) > 1:
+                    print(f"# K=2**{k_log2}, {m}x{n}: the dtypes differ: {parts}")
+                row.append(max(parts))
+            print(f"        {tuple(row)},  # M = 2**{m_log2}", flush=True)
+        print("    ),")
     print("}")
 
 

@@ -1,5 +1,5 @@
 """The activations XLA's partitioner cuts after a storage cut it does not
-gather (`memory_model.held_as_partitioned`), on a model written here."""
+gather (`stream_drift.held_as_partitioned`), on a model written here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import keras
 
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import Assignment, local_bytes, tensor_axes
-from keras_autoshard.planner.memory_model import held_as_partitioned
+from keras_autoshard.planner.stream_drift import held_as_partitioned
 from keras_autoshard.trace.tracer import trace_model
 
 HIDDEN = 64
@@ -100,12 +100,34 @@ def test_no_drift_where_the_class_is_computed_cut_or_the_axis_is_taken():
         assert tensor_axes(graph.tensors[tensor_id], held).count("model") == 1
 
 
-def test_a_table_or_kernel_cut_for_storage_moves_no_activation():
-    """A gathered table (the embedding, read by a gather) and a matrix
-    product's kernel are all-gathered where they are read: XLA:GPU's
-    Llama-2-70B on 32x8, its table cut over `model` on the hidden dim,
-    holds its layers' inputs whole."""
+def test_a_table_cut_for_storage_moves_no_activation():
+    """A gathered table (the embedding, read by a gather) is all-gathered
+    where it is read: XLA:GPU's Llama-2-70B on 32x8, its table cut over
+    `model` on the hidden dim, holds its layers' inputs whole."""
     graph = _graph()
-    fsdp = {"table/embeddings": ((1, "model"),), "block_0/up": ((0, "model"),)}
+    fsdp = {"table/embeddings": ((1, "model"),)}
     assignment = Assignment(class_axis={}, fsdp=fsdp)
     assert held_as_partitioned(graph, assignment) == assignment
+
+
+def test_a_kernel_cut_for_storage_on_a_whole_class_cuts_the_stream():
+    """A matrix product's kernel stored cut over an axis that cuts no token
+    dim, on a dim the plan computes whole, is not gathered: XLA:GPU's
+    Llama-2-70B on 16x16, its key and value kernels cut over `model` on the
+    hidden dim, holds each layer's checkpointed input a sixteenth as large
+    (`stream_drift.kernel_drift`; this test said the opposite until that
+    program was read, with nothing measured behind it). Over the axis that
+    carries the tokens (FSDP) the kernel is gathered and nothing moves."""
+    graph = _graph()
+    hidden = _hidden_class(graph)
+    fsdp = {"block_0/up": ((0, "model"),)}
+    held = held_as_partitioned(graph, Assignment(class_axis={}, fsdp=fsdp))
+    for tensor_id in _layer_input_ids(graph):
+        tensor = graph.tensors[tensor_id]
+        dim = tensor.dim_classes.index(hidden)
+        assert (dim, "model") in held.activation_cuts[tensor_id]
+    batch = graph.tensors[next(iter(_layer_input_ids(graph)))].dim_classes[0]
+    fsdp_over_tokens = Assignment(
+        class_axis={batch: "batch"}, fsdp={"block_0/up": ((0, "batch"),)}
+    )
+    assert held_as_partitioned(graph, fsdp_over_tokens) == fsdp_over_tokens

@@ -79,8 +79,9 @@ def test_split_weight_gradients_are_counted_while_their_layer_runs():
     mesh = ka.MeshSpec((1, 8), ("batch", "model"))
     plan = ka.plan(build, mesh, x, hardware="h100-80gb")
     memory = compile_for_target(build, plan, (x, x), "h100-80gb").step.memory
-    partials = split_parts(16 * tokens, width * width / 8) * width * width / 8 * 4
-    assert split_parts(16 * tokens, width * width / 8) == 16
+    # The kernel's gradient: the 256-wide input by a 32-wide output shard.
+    partials = split_parts(16 * tokens, width, width / 8) * width * width / 8 * 4
+    assert split_parts(16 * tokens, width, width / 8) == 16
     assert plan.estimate.transient_bytes >= partials
     ratio = plan.estimate.peak_bytes / compiled_peak_bytes(memory)
     assert abs(ratio - 1) <= 0.08, (ratio, plan.estimate.to_dict())
@@ -89,6 +90,42 @@ def test_split_weight_gradients_are_counted_while_their_layer_runs():
 def test_weights_at_real_widths_are_not_split():
     # A Llama-2-70B feed-forward shard (8192 x 28672 over 8 devices) over a
     # device's 8 x 4096 tokens: one product, no partials.
-    assert split_parts(8 * 4096, 8192 * 28672 / 8) == 1
+    assert split_parts(8 * 4096, 8192, 28672 / 8) == 1
     # The zoo's Llama query shard on 2x4 (256 local tokens): 8 partials.
-    assert split_parts(256, 256 * 2 * 32) == 8
+    assert split_parts(256, 256, 2 * 32) == 8
+
+
+def test_split_parts_read_both_output_dims():
+    # Over 512 tokens, outputs of as many elements split differently
+    # (`python -m benchmarks.split_k_probe`): the count alone is not enough.
+    assert split_parts(512, 256, 32) == 8
+    assert split_parts(512, 64, 128) == 16
+    # A merged query, key and value gradient (256 x 192 over 256 tokens)
+    # is read at the nearest grid point, 256 x 256, as XLA splits it: 4.
+    assert split_parts(256, 256, 192) == 4
+
+
+def test_half_precision_weight_gradients_are_split_too():
+    """Under `mixed_bfloat16` a Dense layer's product reads its kernel's
+    bfloat16 cast, and XLA:GPU splits the weight gradient into float32
+    partial products all the same (the layer and mesh of the float32 test
+    above: 16 parts of 256 x 32). Counting none (the cast is no parameter)
+    left the estimate's transient under them. The estimate of this step is
+    0.85 of its compiled peak (2.69 against 3.16 MiB); what else it
+    under-counts is not found yet (issue "Truth at real size"), so no
+    ratio is asserted here."""
+    width, tokens = 256, 64
+
+    def build():
+        x = keras.Input((tokens, width))
+        return keras.Model(x, keras.layers.Dense(width, name="block_0")(x))
+
+    x = jax.ShapeDtypeStruct((16, tokens, width), np.float32)
+    mesh = ka.MeshSpec((1, 8), ("batch", "model"))
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        plan = ka.plan(build, mesh, x, hardware="h100-80gb")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    partials = 16 * width * width / 8 * 4
+    assert plan.estimate.transient_bytes >= partials, plan.estimate.to_dict()

@@ -245,7 +245,7 @@ def test_storage_cut_pins_are_taken_only_where_they_move_fewer_bytes():
     """OPT on 1x8 under the tight budget, storage cuts only (with
     rematerialization offered the planner recomputes a layer instead): its
     norm scales and biases are cut over `model` on the hidden dim, so XLA
-    holds the residual stream cut so (`memory_model.stream_drift`), and the
+    holds the residual stream cut so (`stream_drift.stream_drift`), and the
     token and position tables are cut over `model` too. The plan pins no
     layer output, and its step moves fewer bytes than with the pins of the
     earlier rule (every storage-cut layer: 7.34 MB against 6.90 MB), than

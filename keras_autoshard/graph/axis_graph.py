@@ -342,6 +342,10 @@ class AxisGraph:
             generation cache stores them (`graph/kv_cache.py`).
         matmul_operands: Tensor ids read by a matrix product
             (`dot_general`) or a convolution, as either operand.
+        matmul_pairs: `(lhs, rhs)` tensor ids (the sources of views) of
+            every `dot_general`: XLA:GPU merges the weight gradients of
+            products that read one input into one product
+            (`planner/split_k.py`).
         relaid_operands: Operands of a matrix product that XLA copies into
             another layout before multiplying (`graph/jaxpr/contractions.py`:
             a product it rewrites to canonical form, whose transpose of the
@@ -383,6 +387,7 @@ class AxisGraph:
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
+    matmul_pairs: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     several_outputs: tuple[str, ...] = ()
 

@@ -248,6 +248,7 @@ class _GraphBuilder:
         # Operands of every matrix product and convolution (`matmul_operands`),
         # and those XLA lays out anew for their product (`relaid_operands`).
         self.matmul_operands: set[int] = set()
+        self.matmul_pairs: dict[tuple[int, int], None] = {}
         self.relaid_operands: set[int] = set()
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
@@ -483,6 +484,7 @@ class _GraphBuilder:
             grouped_convs=tuple(self.grouped_convs),
             key_values=key_value_pairs(self),
             matmul_operands=tuple(sorted(self.matmul_operands)),
+            matmul_pairs=tuple(self.matmul_pairs),
             relaid_operands=tuple(sorted(self.relaid_operands)),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),

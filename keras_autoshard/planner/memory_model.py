@@ -73,6 +73,7 @@ from keras_autoshard.planner.remat import (
     layer_calls,
 )
 from keras_autoshard.planner.split_k import split_gradient_bytes
+from keras_autoshard.planner.stream_drift import held_as_partitioned
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -440,99 +441,6 @@ def accelerator_peak(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
     return best[1], best[2], best[3]
-
-
-def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:
-    """The storage cuts that XLA's partitioner carries into the activations.
-
-    A one-dimensional parameter read only elementwise (a norm's scale, a
-    bias) and stored cut over a mesh axis on a dim its class's activations
-    do not cut (an FSDP-style storage cut) is not gathered: the partitioner
-    cuts the activations it multiplies or adds over that axis instead, and
-    with them the residual stream between layers. A table read by a gather
-    or a kernel read by a matrix product is gathered instead.
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding.
-
-    Returns:
-        A `StreamDrift`: each such class with its axis, and the parameters
-        that carry their cut into it.
-    """
-    classes: dict[int, str] = {}
-    sources: set[str] = set()
-    unread = set(graph.unread)
-    for tensor in graph.tensors:
-        if tensor.kind != "param" or len(tensor.shape) != 1:
-            continue  # a table read by a gather, a kernel: gathered
-        if tensor.id in graph.matmul_operand_ids or tensor.id in unread:
-            continue  # nothing elementwise to propagate from
-        for dim, axis in assignment.fsdp.get(tensor.name, ()):
-            cls = tensor.dim_classes[dim]
-            if cls is None or assignment.class_axis.get(cls) is not None:
-                continue
-            classes.setdefault(cls, axis)
-            sources.add(tensor.name)
-    return StreamDrift(classes, frozenset(sources))
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamDrift:
-    """Storage cuts the partitioner carries into the activations.
-
-    Attributes:
-        classes: Axis class → the mesh axis its activations between layers
-            are held cut over.
-        sources: Names of the one-dimensional parameters whose storage cut
-            does it (the plan pins no output of their layers:
-            `planner/output_layouts.py`).
-    """
-
-    classes: dict[int, str]
-    sources: frozenset[str]
-
-
-def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
-    """The sharding XLA's partitioner gives the activations once it has
-    propagated the storage cuts of parameters that no matrix product reads
-    (`stream_drift`).
-
-    The residual stream between layers (the activations a layer reads from
-    outside its call, what a rematerialized call keeps) is cut over the
-    drifted axis; inside a layer the activations keep the plan's cuts. Read
-    off XLA:GPU's program of a Llama at Llama-2-70B widths on 16x16 whose
-    feed-forward norm scale is stored cut over `model`: the row-parallel
-    outputs are reduce-scattered over `model` on the hidden dim, and each
-    layer's checkpointed input is held a sixteenth as large. A table read by
-    a gather (an embedding cut over `model` on its hidden dim, Llama-2-70B
-    on 32x8) moves nothing: its compiled layers' inputs are held whole.
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding.
-
-    Returns:
-        `assignment` with those activations' cuts added.
-    """
-    drifted = stream_drift(graph, assignment).classes
-    if not drifted:
-        return assignment
-    cuts = dict(assignment.activation_cuts)
-    between_layers = {t for _, ids in graph.layer_inputs for t in ids}
-    for tensor in graph.tensors:
-        if tensor.id not in between_layers:
-            continue
-        used = set(tensor_axes(tensor, assignment))
-        added = []
-        for dim, cls in enumerate(tensor.dim_classes):
-            axis = drifted.get(cls)
-            if axis is not None and axis not in used:
-                added.append((dim, axis))
-                used.add(axis)
-        if added:
-            cuts[tensor.id] = tuple(cuts.get(tensor.id, ())) + tuple(added)
-    return dataclasses.replace(assignment, activation_cuts=cuts)
 
 
 def _targets_bytes(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> float:

@@ -23,8 +23,8 @@ from keras_autoshard.planner.cost_model import (
     tensor_axes,
 )
 from keras_autoshard.planner.layer_paths import keras_layer_path, scope_rewrites
-from keras_autoshard.planner.memory_model import StreamDrift, stream_drift
 from keras_autoshard.planner.sequence_parallel import SequenceCut, pinned_layouts
+from keras_autoshard.planner.stream_drift import StreamDrift, stream_drift
 from keras_autoshard.plans.layouts import ActivationLayout
 
 
@@ -163,7 +163,7 @@ def storage_cut_layouts(
     costs one all-gather of the output; so the output of the layer owning
     such a parameter gets the plan's layout of that output, read from the
     trace (Keras asks `"<layer path>/output"`), unless the cut it stops is
-    one the stream is held cut by anyway (`memory_model.stream_drift`):
+    one the stream is held cut by anyway (`stream_drift.stream_drift`):
 
     - a one-dimensional parameter read elementwise (a norm's scale, a bias)
       is such a source itself: its cut is carried into the stream by

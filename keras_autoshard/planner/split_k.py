@@ -16,65 +16,184 @@ layer's own.
 
 `SPLITS` is what XLA:GPU (jax 0.10.2, default options, compiled for one
 H100 ahead of time) chose for a lone `einsum("km,kn->mn")` of `K` tokens
-into `M × N` elements, float32 or bfloat16 alike, on a grid of powers of
-two (`python -m benchmarks.split_k_probe` prints it). Between grid points
-the lower `K` and the lower element count are read: the lower element count
-gives more parts (`S` falls with it), the lower `K` fewer (`S` grows with
-it), so between powers of two of `K` the buffer may be under-counted, by at
-most the next row's factor (2 on the grid). From
-4 Mi elements on (a 2048 × 2048 shard), XLA:GPU does not split: weights at
-real widths are never split.
+into an `M × N` output, float32 or bfloat16 alike, on a grid of powers of
+two (`python -m benchmarks.split_k_probe` prints it). The choice depends on
+both output dims, not on their product alone: over 512 tokens a 256 × 32
+output is split in 8, a 64 × 128 one, as many elements, in 16 (a table by
+element count, read off square outputs, counted 16 for the zoo Llama's
+query kernel on 1x8, where its compiled program makes 8). Between grid
+points the lower `K` is read (as many parts or fewer) and the nearest `M`
+and `N` (a merged query, key and value gradient of 256 × 192 over 256
+tokens is split in 4, as 256 × 256 is, where 256 × 128 is split in 8), so
+the buffer may be under-counted by at most the next row's or column's
+factor (2 on the grid). A weight gradient is the product of the layer's input and
+its output's gradient: `M` is the weight's dims shared with the input,
+`N` the others (an attention output kernel `(heads, head_dim, hidden)` is
+`heads × head_dim` by `hidden`). The weight gradients of products that
+read one input are one product (XLA's `DotMerger`: a Llama's query, key
+and value kernels, over 512 tokens on 1x8, make one `f32[8,96,256]`, and
+its gate and up projections one `f32[8,256,128]`): their `N`s add up,
+which may make fewer parts. From 4 Mi elements on (a 2048 × 2048 shard), XLA:GPU does
+not split: weights at real widths are never split. The gradient of a
+table read by a gather is a scatter-add, not a product: never split.
 
 Example:
 
 ```python
-split_parts(tokens=256, elements=128 * 256)  # 8
+split_parts(tokens=256, m=128, n=256)  # 8
 ```
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 
 from keras_autoshard.graph.axis_graph import AxisGraph
-from keras_autoshard.planner.cost_model import Assignment, local_bytes
+from keras_autoshard.planner.cost_model import Assignment, tensor_axes
 
-# log2(K) -> (log2(elements) from which, parts) for increasing element
-# counts; printed as is by `python -m benchmarks.split_k_probe`.
-SPLITS: dict[int, tuple[tuple[int, int], ...]] = {
-    7: ((12, 8), (16, 4), (18, 1)),
-    8: ((12, 8), (16, 4), (18, 1)),
-    9: ((12, 16), (16, 8), (18, 4), (19, 1)),
-    10: ((12, 16), (16, 8), (18, 4), (20, 1)),
-    11: ((12, 32), (16, 16), (18, 8), (19, 4), (20, 2), (22, 1)),
-    12: ((12, 32), (16, 16), (18, 8), (19, 4), (20, 2), (22, 1)),
-    13: ((12, 64), (16, 32), (18, 8), (19, 4), (20, 2), (22, 1)),
-    14: ((12, 64), (16, 32), (18, 8), (19, 4), (20, 2), (22, 1)),
-    15: ((12, 128), (16, 32), (18, 8), (19, 4), (22, 1)),
-    17: ((12, 256), (14, 128), (16, 32), (18, 16), (19, 8), (20, 4), (22, 1)),
+# log2(K) -> rows by log2(M) from DIMS_LOG2[0], each the parts by log2(N)
+# from DIMS_LOG2[0]; printed as is by `python -m benchmarks.split_k_probe`.
+SPLITS: dict[int, tuple[tuple[int, ...], ...]] = {
+    7: (
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**4
+        (1, 1, 1, 8, 4, 1, 1, 1, 1),  # M = 2**5
+        (1, 1, 8, 8, 4, 1, 1, 1, 1),  # M = 2**6
+        (1, 8, 8, 8, 4, 4, 1, 1, 1),  # M = 2**7
+        (1, 4, 4, 4, 4, 1, 1, 1, 1),  # M = 2**8
+        (1, 1, 1, 4, 1, 1, 1, 1, 1),  # M = 2**9
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**10
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**11
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**12
+    ),
+    8: (
+        (1, 1, 1, 8, 8, 4, 1, 1, 1),  # M = 2**4
+        (1, 1, 8, 8, 8, 4, 1, 1, 1),  # M = 2**5
+        (1, 8, 8, 8, 8, 4, 4, 1, 1),  # M = 2**6
+        (8, 8, 8, 8, 8, 4, 4, 1, 1),  # M = 2**7
+        (8, 8, 8, 8, 4, 4, 1, 1, 1),  # M = 2**8
+        (4, 4, 4, 4, 4, 1, 1, 1, 1),  # M = 2**9
+        (1, 1, 4, 4, 1, 1, 1, 1, 1),  # M = 2**10
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**11
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**12
+    ),
+    9: (
+        (1, 1, 16, 16, 8, 8, 4, 1, 1),  # M = 2**4
+        (1, 16, 16, 16, 8, 8, 4, 4, 1),  # M = 2**5
+        (16, 16, 16, 16, 8, 8, 4, 4, 1),  # M = 2**6
+        (16, 16, 16, 16, 8, 8, 4, 4, 1),  # M = 2**7
+        (8, 8, 8, 8, 8, 4, 4, 1, 1),  # M = 2**8
+        (8, 8, 8, 8, 4, 4, 1, 1, 1),  # M = 2**9
+        (4, 4, 4, 4, 4, 1, 1, 1, 1),  # M = 2**10
+        (1, 4, 4, 4, 1, 1, 1, 1, 1),  # M = 2**11
+        (1, 1, 1, 1, 1, 1, 1, 1, 1),  # M = 2**12
+    ),
+    10: (
+        (16, 16, 16, 16, 16, 8, 8, 4, 4),  # M = 2**4
+        (16, 16, 16, 16, 16, 8, 8, 4, 4),  # M = 2**5
+        (16, 16, 16, 16, 16, 8, 8, 4, 4),  # M = 2**6
+        (16, 16, 16, 16, 16, 8, 8, 4, 4),  # M = 2**7
+        (16, 16, 16, 16, 8, 8, 4, 4, 1),  # M = 2**8
+        (8, 8, 8, 8, 8, 4, 4, 1, 1),  # M = 2**9
+        (8, 8, 8, 8, 4, 4, 1, 1, 1),  # M = 2**10
+        (4, 4, 4, 4, 4, 1, 1, 1, 1),  # M = 2**11
+        (4, 4, 4, 4, 1, 1, 1, 1, 1),  # M = 2**12
+    ),
+    11: (
+        (32, 32, 32, 32, 16, 16, 8, 8, 4),  # M = 2**4
+        (32, 32, 32, 32, 16, 16, 8, 8, 4),  # M = 2**5
+        (32, 32, 32, 32, 16, 16, 8, 8, 4),  # M = 2**6
+        (32, 32, 32, 32, 16, 16, 8, 8, 4),  # M = 2**7
+        (16, 16, 16, 16, 16, 8, 8, 4, 2),  # M = 2**8
+        (16, 16, 16, 16, 8, 8, 4, 2, 1),  # M = 2**9
+        (8, 8, 8, 8, 8, 4, 2, 1, 1),  # M = 2**10
+        (8, 8, 8, 8, 4, 2, 1, 1, 1),  # M = 2**11
+        (4, 4, 4, 4, 2, 1, 1, 1, 1),  # M = 2**12
+    ),
+    12: (
+        (32, 32, 32, 32, 32, 16, 16, 8, 8),  # M = 2**4
+        (32, 32, 32, 32, 32, 16, 16, 8, 8),  # M = 2**5
+        (32, 32, 32, 32, 32, 16, 16, 8, 8),  # M = 2**6
+        (32, 32, 32, 32, 32, 16, 16, 8, 4),  # M = 2**7
+        (32, 32, 32, 32, 16, 16, 8, 4, 2),  # M = 2**8
+        (16, 16, 16, 16, 16, 8, 4, 2, 1),  # M = 2**9
+        (16, 16, 16, 16, 8, 4, 2, 1, 1),  # M = 2**10
+        (8, 8, 8, 8, 4, 2, 1, 1, 1),  # M = 2**11
+        (8, 8, 8, 4, 2, 1, 1, 1, 1),  # M = 2**12
+    ),
+    13: (
+        (64, 64, 64, 64, 32, 32, 16, 16, 8),  # M = 2**4
+        (64, 64, 64, 64, 32, 32, 16, 16, 8),  # M = 2**5
+        (64, 64, 64, 64, 32, 32, 16, 16, 8),  # M = 2**6
+        (64, 64, 64, 64, 32, 32, 16, 8, 4),  # M = 2**7
+        (32, 32, 32, 32, 32, 16, 8, 4, 2),  # M = 2**8
+        (32, 32, 32, 32, 16, 8, 4, 2, 1),  # M = 2**9
+        (16, 16, 16, 16, 8, 4, 2, 1, 1),  # M = 2**10
+        (16, 16, 16, 8, 4, 2, 1, 1, 1),  # M = 2**11
+        (8, 8, 8, 4, 2, 1, 1, 1, 1),  # M = 2**12
+    ),
+    14: (
+        (64, 64, 64, 64, 64, 32, 32, 16, 16),  # M = 2**4
+        (64, 64, 64, 64, 64, 32, 32, 16, 16),  # M = 2**5
+        (64, 64, 64, 64, 64, 32, 32, 16, 8),  # M = 2**6
+        (64, 64, 64, 64, 64, 32, 16, 8, 4),  # M = 2**7
+        (64, 64, 64, 64, 32, 16, 8, 4, 2),  # M = 2**8
+        (32, 32, 32, 32, 16, 8, 4, 2, 1),  # M = 2**9
+        (32, 32, 32, 16, 8, 4, 2, 1, 1),  # M = 2**10
+        (16, 16, 16, 8, 4, 2, 1, 1, 1),  # M = 2**11
+        (16, 16, 8, 4, 2, 1, 1, 1, 1),  # M = 2**12
+    ),
+    15: (
+        (128, 128, 128, 128, 64, 64, 32, 32, 16),  # M = 2**4
+        (128, 128, 128, 128, 64, 64, 32, 32, 16),  # M = 2**5
+        (128, 128, 128, 128, 64, 64, 32, 16, 8),  # M = 2**6
+        (128, 128, 128, 128, 64, 32, 16, 8, 4),  # M = 2**7
+        (64, 64, 64, 64, 32, 16, 8, 4, 4),  # M = 2**8
+        (64, 64, 64, 32, 16, 8, 4, 4, 1),  # M = 2**9
+        (32, 32, 32, 16, 8, 4, 4, 1, 1),  # M = 2**10
+        (32, 32, 16, 8, 4, 4, 1, 1, 1),  # M = 2**11
+        (16, 16, 8, 4, 4, 1, 1, 1, 1),  # M = 2**12
+    ),
+    17: (
+        (256, 256, 256, 256, 128, 128, 64, 64, 32),  # M = 2**4
+        (256, 256, 256, 256, 128, 128, 64, 32, 16),  # M = 2**5
+        (256, 256, 256, 256, 128, 64, 32, 16, 8),  # M = 2**6
+        (256, 256, 256, 128, 64, 32, 16, 16, 8),  # M = 2**7
+        (128, 128, 128, 64, 32, 16, 16, 8, 4),  # M = 2**8
+        (128, 128, 64, 32, 16, 16, 8, 4, 2),  # M = 2**9
+        (64, 64, 32, 16, 16, 8, 4, 2, 1),  # M = 2**10
+        (64, 32, 16, 16, 8, 4, 2, 1, 1),  # M = 2**11
+        (32, 16, 8, 8, 4, 2, 1, 1, 1),  # M = 2**12
+    ),
 }
+DIMS_LOG2 = (4, 12)  # the grid's least and greatest output dim, log2
 # No split from this many output elements on, whatever K.
 UNSPLIT_ELEMENTS = 2**22
 
 
-def split_parts(tokens: float, elements: float) -> int:
-    """Partial products XLA:GPU makes for a contraction of `tokens` into
-    `elements` outputs (1: not split).
+def split_parts(tokens: float, m: float, n: float) -> int:
+    """Partial products XLA:GPU makes for a contraction of `tokens` into an
+    `m × n` output (1: not split).
 
     Args:
         tokens: The contracted size on one device.
-        elements: The output's elements on one device.
+        m: The output's first dim on one device.
+        n: The output's second dim on one device.
 
     Returns:
         The number of partial products (at least 1).
     """
-    if elements >= UNSPLIT_ELEMENTS or tokens < 2**7 or elements < 1:
+    if m * n >= UNSPLIT_ELEMENTS or tokens < 2**7 or min(m, n) < 1:
         return 1
     rows = sorted(SPLITS)
-    row = SPLITS[rows[max(0, bisect.bisect_right(rows, math.log2(tokens)) - 1)]]
-    at = max(0, bisect.bisect_right([e for e, _ in row], math.log2(elements)) - 1)
-    return row[at][1]
+    table = SPLITS[rows[max(0, bisect.bisect_right(rows, math.log2(tokens)) - 1)]]
+    low, high = DIMS_LOG2
+
+    def index(size: float) -> int:
+        return min(max(round(math.log2(size)), low), high) - low
+
+    return table[index(m)][index(n)]
 
 
 def split_gradient_bytes(
@@ -94,19 +213,55 @@ def split_gradient_bytes(
         Float32 bytes of the partial products per device, for the
         parameters whose gradient is split (others are absent).
     """
-    held: dict[int, float] = {}
+    # A weight read in a lower precision (`mixed_bfloat16`) is contracted as
+    # its cast, which has the weight's shape and classes.
+    weights = {(t.shape, t.dim_classes): t for t in graph.tensors if t.kind == "param"}
+    input_of: dict[int, int] = {}
+    for lhs, rhs in graph.matmul_pairs:
+        input_of.setdefault(lhs, rhs)
+        input_of.setdefault(rhs, lhs)
+    # (input, tokens, M) -> [(weight, N)]: one product per group.
+    groups: dict[tuple, list[tuple[int, float]]] = {}
     for event in graph.comm_events:
-        tensor = graph.tensors[event.tensor]
         if event.kind != "contract" or event.phase != "backward":
             continue
-        if tensor.kind != "param":
+        if "dot_general" not in event.primitive.split("+"):
+            continue  # a gather's scatter-add, a convolution: no partials
+        read = graph.tensors[event.tensor]
+        weight = weights.get((read.shape, read.dim_classes))
+        if weight is None:
             continue
         tokens = 1.0
         for cls in event.classes:
             axis = assignment.class_axis.get(cls)
             tokens *= graph.classes[cls].size / (sizes[axis] if axis else 1)
-        elements = local_bytes(tensor, assignment, sizes) / tensor.itemsize
-        parts = split_parts(tokens, elements)
-        if parts > 1:
-            held[tensor.id] = max(held.get(tensor.id, 0.0), 4.0 * parts * elements)
+        source = input_of.get(event.tensor)
+        # Each of the input's classes stands for one of the weight's dims
+        # (a square kernel read as `h @ W` has one class on both dims).
+        shared = collections.Counter(
+            graph.tensors[source].dim_classes if source is not None else ()
+        )
+        m = n = 1.0
+        for size, axis, cls in zip(
+            weight.shape, tensor_axes(weight, assignment), weight.dim_classes
+        ):
+            local = size / (sizes[axis] if axis else 1)
+            if cls is not None and shared[cls] > 0:
+                shared[cls] -= 1
+                m *= local
+            else:
+                n *= local
+        groups.setdefault((source, tokens, m), []).append((event.tensor, weight.id, n))
+    by_read: dict[int, tuple[int, float]] = {}  # read tensor -> (weight, bytes)
+    for (_, tokens, m), members in groups.items():
+        parts = split_parts(tokens, m, sum(n for _, _, n in members))
+        for read, weight, n in members:
+            size = 4.0 * parts * m * n if parts > 1 else 0.0
+            by_read[read] = (weight, max(size, by_read.get(read, (0, 0.0))[1]))
+    # Casts of two weights of one shape and classes (a query and a key
+    # kernel) are both credited to one of them: their layer is the same.
+    held: dict[int, float] = {}
+    for weight, size in by_read.values():
+        if size:
+            held[weight] = held.get(weight, 0.0) + size
     return held

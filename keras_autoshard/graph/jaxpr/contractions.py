@@ -38,6 +38,8 @@ def _rule_dot_general(e: Eqn) -> list[int]:
         e.unify(lhs, lhs_dim, rhs, rhs_dim)
     e.event("contract", "forward", [e.element(lhs, d) for d in lhs_contract], out)
     e.builder.note_matmul_operands(lhs, rhs)
+    view_of = e.builder.view_of
+    e.builder.matmul_pairs[(view_of.get(lhs, lhs), view_of.get(rhs, rhs))] = None
     if _rewritten(e.rank(lhs), e.rank(rhs), lhs_contract, lhs_batch, rhs_batch):
         for tid, order in (
             (lhs, (*lhs_batch, *lhs_free, *lhs_contract)),
