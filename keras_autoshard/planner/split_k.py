@@ -220,8 +220,8 @@ def split_gradient_bytes(
     for lhs, rhs in graph.matmul_pairs:
         input_of.setdefault(lhs, rhs)
         input_of.setdefault(rhs, lhs)
-    # (input, tokens, M) -> [(weight, N)]: one product per group.
-    groups: dict[tuple, list[tuple[int, float]]] = {}
+    # (input, tokens, M) -> [(read tensor, weight, N)]: one product per group.
+    groups: dict[tuple, list[tuple[int, int, float]]] = {}
     for event in graph.comm_events:
         if event.kind != "contract" or event.phase != "backward":
             continue
