@@ -21,7 +21,10 @@ def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:
     do not cut (an FSDP-style storage cut) is not gathered: the partitioner
     cuts the activations it multiplies or adds over that axis instead, and
     with them the residual stream between layers. A table read by a gather
-    or a kernel read by a matrix product is gathered instead.
+    is gathered instead, and so is a kernel read by a matrix product,
+    unless it is stored cut over an axis that cuts no token dim
+    (`kernel_drift`, which `held_as_partitioned` adds; kept out of
+    `sources`, so the plan's output pins do not change with it).
 
     Args:
         graph: The model's axis graph.
@@ -36,7 +39,7 @@ def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:
     unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind != "param" or len(tensor.shape) != 1:
-            continue  # a table read by a gather, a kernel: gathered
+            continue  # a table, a kernel: `kernel_drift`
         if tensor.id in graph.matmul_operand_ids or tensor.id in unread:
             continue  # nothing elementwise to propagate from
         for dim, axis in assignment.fsdp.get(tensor.name, ()):
@@ -116,8 +119,8 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
 
 def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
     """The sharding XLA's partitioner gives the activations once it has
-    propagated the storage cuts of parameters that no matrix product reads
-    (`stream_drift`).
+    propagated the storage cuts it does not gather (`stream_drift`,
+    `kernel_drift`).
 
     The residual stream between layers (the activations a layer reads from
     outside its call, what a rematerialized call keeps) is cut over the
