@@ -1,12 +1,15 @@
-"""Where XLA's partitioner carries a parameter's storage cut into the
-activations: the residual stream held cut over an axis the plan computes
-it whole on (`held_as_partitioned`, read by `memory_model.accelerator_peak`;
-`stream_drift` also by `output_layouts`).
+"""Where XLA's partitioner holds activations cut otherwise than the plan
+computes them: a parameter's storage cut carried into the residual stream
+and what the backward pass keeps, over an axis the plan computes it whole
+on; a reshape's merged dims cut as its result is (`held_as_partitioned`,
+read by `memory_model.accelerator_peak`; `stream_drift` also by
+`output_layouts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
@@ -117,7 +120,12 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
     return classes
 
 
-def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
+def held_as_partitioned(
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    kept: frozenset[int] = frozenset(),
+) -> Assignment:
     """The sharding XLA's partitioner gives the activations once it has
     propagated the storage cuts it does not gather (`stream_drift`,
     `kernel_drift`).
@@ -131,34 +139,114 @@ def held_as_partitioned(graph: AxisGraph, assignment: Assignment) -> Assignment:
     layer's checkpointed input is held a sixteenth as large. A table read by
     a gather (an embedding cut over `model` on its hidden dim, Llama-2-70B
     on 32x8) moves nothing: its compiled layers' inputs are held whole.
-    A kernel stored cut on a dim the plan computes whole, over an axis that
-    cuts no token dim, carries its cut too (`kernel_drift`).
+    A group of dims merged by a reshape into a dim the plan cuts is held cut
+    with it (`merged_group_cuts`). A kernel stored cut on a dim the plan
+    computes whole, over an axis that
+    cuts no token dim, carries its cut too (`kernel_drift`), and into more
+    than the stream: into every activation the backward pass keeps of a
+    layer that is not rematerialized (`kept`). Read off the same 16x16
+    program at 8 layers, the lower 4 rematerialized: XLA holds the upper
+    layers' kept activations of the hidden class cut over `model`.
+    A rematerialized layer's recomputed activations are made whole, as the
+    plan computes them.
 
     Args:
         graph: The model's axis graph.
         assignment: The candidate sharding.
+        sizes: Mesh axis name -> size.
+        kept: Ids of the activations kept from the forward pass to the
+            backward pass (not recomputed), which a kernel's cut reaches.
 
     Returns:
         `assignment` with those activations' cuts added.
     """
-    drifted = {
-        **kernel_drift(graph, assignment),
-        **stream_drift(graph, assignment).classes,
-    }
-    if not drifted:
-        return assignment
+    from_kernels = kernel_drift(graph, assignment)
+    drifted = {**from_kernels, **stream_drift(graph, assignment).classes}
     cuts = dict(assignment.activation_cuts)
+    cuts.update(merged_group_cuts(graph, assignment, sizes))
+    if not drifted:
+        return dataclasses.replace(assignment, activation_cuts=cuts)
     between_layers = {t for _, ids in graph.layer_inputs for t in ids}
     for tensor in graph.tensors:
-        if tensor.id not in between_layers:
+        if tensor.id in between_layers:
+            reaching = drifted
+        elif tensor.id in kept:
+            reaching = from_kernels
+        else:
             continue
         used = set(tensor_axes(tensor, assignment))
         added = []
         for dim, cls in enumerate(tensor.dim_classes):
-            axis = drifted.get(cls)
+            axis = reaching.get(cls)
             if axis is not None and axis not in used:
                 added.append((dim, axis))
                 used.add(axis)
         if added:
             cuts[tensor.id] = tuple(cuts.get(tensor.id, ())) + tuple(added)
     return dataclasses.replace(assignment, activation_cuts=cuts)
+
+
+def merged_group_cuts(
+    graph: AxisGraph, assignment: Assignment, sizes: Mapping[str, int]
+) -> dict[int, tuple[tuple[int, str], ...]]:
+    """Activations cut as the reshape that merges their dims is.
+
+    A reshape that merges a run of dims into one (grouped key/value heads
+    repeated and merged into the query heads: `(kv, repeat) -> heads`) lets
+    the plan cut the merged dim on an axis where the run's major dim stays
+    whole (`SliceEdge`): 8 key/value heads cannot be cut 16 ways, their 64
+    query heads can. XLA's partitioner holds the operand cut as its result
+    is: the run's elements over the axis's devices, factored across its
+    dims (8 ways over the key/value heads, 2 over the repeats). Read off
+    XLA:GPU's program of a Llama at Llama-2-70B widths on 16x16, 4 layers:
+    each layer keeps its repeated keys and values as 32 MiB buffers, where
+    counted whole they were 512 MiB each (estimate over compiled 1.19).
+    Counted here as a cut of the run's major dim: its bytes are the run's
+    divided by the axis's size, which divides the run's elements.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding.
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Tensor id -> the cuts to add (`Assignment.activation_cuts`).
+    """
+    merged_into: dict[int, set[int]] = {}
+    for edge in graph.slice_edges:
+        merged_into.setdefault(edge.source, set()).add(edge.target)
+    cuts: dict[int, tuple[tuple[int, str], ...]] = {}
+    for tensor in graph.tensors:
+        if tensor.kind != "activation":
+            continue
+        axes = tensor_axes(tensor, assignment)
+        added: list[tuple[int, str]] = []
+        for dim, cls in enumerate(tensor.dim_classes):
+            if axes[dim] is not None or cls not in merged_into:
+                continue
+            for target in merged_into[cls]:
+                axis = assignment.class_axis.get(target)
+                if axis is None or axis in axes or axis in dict(added).values():
+                    continue
+                run = _run_of(tensor.shape, dim, graph.classes[target].size)
+                if run is not None and run % sizes[axis] == 0:
+                    added.append((dim, axis))
+                    break
+        if added:
+            cuts[tensor.id] = tuple(assignment.activation_cuts.get(tensor.id, ())) + (
+                tuple(added)
+            )
+    return cuts
+
+
+def _run_of(shape: tuple[int, ...], dim: int, merged: int) -> int | None:
+    """The elements of the dims from `dim` on whose product is `merged` (a
+    reshape's merged run), or None."""
+    product = 1
+    for size in shape[dim:]:
+        product *= size
+        if product == merged:
+            return product
+        if product > merged:
+            return None
+    return None
