@@ -146,3 +146,40 @@ def test_half_precision_weight_gradients_are_split_too():
     cut = Assignment(class_axis={kernel.dim_classes[1]: "model"})
     split = split_gradient_bytes(graph, cut, {"batch": 1, "model": 8})
     assert split == {kernel.id: partials}
+
+
+def test_each_half_precision_cast_is_credited_to_its_own_weight():
+    """Two Dense layers of one shape reading one input (a query and a key
+    kernel) under `mixed_bfloat16`: each bfloat16 cast is its own kernel's
+    (`AxisGraph.param_casts`), so each kernel is credited its own partial
+    products. Matching casts to weights by shape and classes credited both
+    products to one kernel ({key: 2 x}, the query absent)."""
+    width = SPLIT_WIDTH
+
+    def build():
+        x = keras.Input((SPLIT_TOKENS, width))
+        query = keras.layers.Dense(width, name="query")(x)
+        key = keras.layers.Dense(width, name="key")(x)
+        return keras.Model(x, query + key)
+
+    x = jax.ShapeDtypeStruct((16, SPLIT_TOKENS, width), np.float32)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        traced = trace_model(build_abstract(build), x)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+    query, key = graph.param("query/kernel"), graph.param("key/kernel")
+    assert query.dim_classes == key.dim_classes  # one shape, one set of classes
+    casts = dict(graph.param_casts)
+    assert sorted(v for v in casts.values() if v in (query.id, key.id)) == sorted(
+        [query.id, key.id]
+    )
+    cut = Assignment(class_axis={query.dim_classes[1]: "model"})
+    split = split_gradient_bytes(graph, cut, {"batch": 1, "model": 8})
+    # One merged product of both (256 x 64 over 1024 tokens), in 8 parts
+    # (`split_parts`), each kernel's share counted on it.
+    parts = split_parts(16 * SPLIT_TOKENS, width, 2 * width / 8)
+    assert parts > 1
+    share = 4.0 * parts * width * width / 8
+    assert split == {query.id: share, key.id: share}

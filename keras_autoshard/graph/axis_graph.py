@@ -346,6 +346,9 @@ class AxisGraph:
             every `dot_general`: XLA:GPU merges the weight gradients of
             products that read one input into one product
             (`planner/split_k.py`).
+        param_casts: `(cast, parameter)` tensor ids: each parameter read
+            in another precision (its bfloat16 cast under `mixed_bfloat16`),
+            which a product then reads in its place.
         relaid_operands: Operands of a matrix product that XLA copies into
             another layout before multiplying (`graph/jaxpr/contractions.py`:
             a product it rewrites to canonical form, whose transpose of the
@@ -388,6 +391,7 @@ class AxisGraph:
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
     matmul_pairs: tuple[tuple[int, int], ...] = ()
+    param_casts: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     several_outputs: tuple[str, ...] = ()
 

@@ -214,8 +214,9 @@ def split_gradient_bytes(
         parameters whose gradient is split (others are absent).
     """
     # A weight read in a lower precision (`mixed_bfloat16`) is contracted as
-    # its cast, which has the weight's shape and classes.
-    weights = {(t.shape, t.dim_classes): t for t in graph.tensors if t.kind == "param"}
+    # its cast (`AxisGraph.param_casts`).
+    weights = {t.id: t for t in graph.tensors if t.kind == "param"}
+    weights.update((cast, weights[param]) for cast, param in graph.param_casts)
     input_of: dict[int, int] = {}
     for lhs, rhs in graph.matmul_pairs:
         input_of.setdefault(lhs, rhs)
@@ -227,8 +228,7 @@ def split_gradient_bytes(
             continue
         if "dot_general" not in event.primitive.split("+"):
             continue  # a gather's scatter-add, a convolution: no partials
-        read = graph.tensors[event.tensor]
-        weight = weights.get((read.shape, read.dim_classes))
+        weight = weights.get(event.tensor)
         if weight is None:
             continue
         tokens = 1.0
@@ -258,8 +258,6 @@ def split_gradient_bytes(
         for read, weight, n in members:
             size = 4.0 * parts * m * n if parts > 1 else 0.0
             by_read[read] = (weight, max(size, by_read.get(read, (0, 0.0))[1]))
-    # Casts of two weights of one shape and classes (a query and a key
-    # kernel) are both credited to one of them: their layer is the same.
     held: dict[int, float] = {}
     for weight, size in by_read.values():
         if size:

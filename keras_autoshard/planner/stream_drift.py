@@ -100,8 +100,9 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
     } - {None}
     # A table read by a gather (or its cast, under mixed precision) is
     # gathered where it is read.
+    cast_of = dict(graph.param_casts)
     looked_up = {
-        (graph.tensors[e.tensor].shape, graph.tensors[e.tensor].dim_classes)
+        cast_of.get(e.tensor, e.tensor)
         for e in graph.comm_events
         if "gather" in e.primitive.split("+")
     }
@@ -109,7 +110,7 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
     for tensor in graph.tensors:
         if tensor.kind != "param" or len(tensor.shape) < 2:
             continue
-        if (tensor.shape, tensor.dim_classes) in looked_up:
+        if tensor.id in looked_up:
             continue
         for dim, axis in assignment.fsdp.get(tensor.name, ()):
             cls = tensor.dim_classes[dim]

@@ -28,7 +28,18 @@ def _rule_elementwise(e: Eqn) -> list[int]:
             _map_broadcasting_operand(e, operand, out)
     if e.name in VIEW_PRIMITIVES:
         e.builder.record_view(e.ins[0], outs[0])
+        _record_param_cast(e.builder, e.ins[0], outs[0])
     return outs
+
+
+def _record_param_cast(builder, operand: int, out: int) -> None:
+    """Note `out` as a parameter read in another precision (its bfloat16
+    cast under `mixed_bfloat16`: `AxisGraph.param_casts`)."""
+    source = builder.cast_of.get(operand, operand)
+    param, result = builder.tensors[source], builder.tensors[out]
+    if param.kind == "param" and param.shape == result.shape:
+        if param.itemsize != result.itemsize:
+            builder.cast_of[out] = source
 
 
 def _map_broadcasting_operand(e: Eqn, operand: int, out: int) -> None:
