@@ -42,6 +42,22 @@ MATERIALISED_ON_ACCELERATORS = {
 OPERAND_EMITTED = frozenset({"erfc"})
 
 
+# Elementwise primitives XLA does not count as expensive
+# (`HloInstruction::IsExpensive`): fused into every consumer, reductions
+# included, and computed again in each rather than materialised. Read off
+# XLA:GPU's program of Mixtral-8x7B widths on 8x8 under `mixed_bfloat16`:
+# the attention's masked float32 scores (a `select_n` of the bfloat16
+# product's float32 cast), read by the softmax's maximum, are not kept;
+# the bfloat16 product is (1 GiB a layer where 2 GiB were counted).
+CHEAP = frozenset(
+    {
+        "abs", "add", "and", "ceil", "clamp", "convert_element_type", "copy",
+        "eq", "floor", "ge", "gt", "le", "lt", "max", "min", "mul", "ne",
+        "neg", "not", "or", "round", "select_n", "sign", "sub", "xor",
+    }
+)  # fmt: skip
+
+
 def note_fusion(
     builder: Any, name: str, fusible: bool, ins: Sequence[int], outs: Sequence[int]
 ) -> None:
@@ -155,7 +171,8 @@ def _fusion_roots(
             return memo[tid]
         roots = _operand_roots(builder, tid, operands, memo, within_layers, True)
         if not (
-            _widening_cast(builder, tid)
+            builder.made_by.get(tid) in CHEAP
+            or _widening_cast(builder, tid)
             or _second_pass(builder, roots, memo, within_layers)
         ):
             return memo[tid]
