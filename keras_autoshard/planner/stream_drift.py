@@ -175,7 +175,9 @@ def held_as_partitioned(
             reaching = from_kernels
         else:
             continue
+        # The axes its dims take, those of a merged run's cut included.
         used = set(tensor_axes(tensor, assignment))
+        used.update(axis for _, axis in cuts.get(tensor.id, ()))
         added = []
         for dim, cls in enumerate(tensor.dim_classes):
             axis = reaching.get(cls)
