@@ -142,10 +142,10 @@ def held_as_partitioned(
     on 32x8) moves nothing: its compiled layers' inputs are held whole.
     A group of dims merged by a reshape into a dim the plan cuts is held cut
     with it (`merged_group_cuts`). A kernel stored cut on a dim the plan
-    computes whole, over an axis that
-    cuts no token dim, carries its cut too (`kernel_drift`), and into more
-    than the stream: into every activation the backward pass keeps of a
-    layer that is not rematerialized (`kept`). Read off the same 16x16
+    computes whole, over an axis that cuts no token dim, carries its cut
+    too (`kernel_drift`), and into more than the stream: into every
+    activation the backward pass keeps of a layer that is not
+    rematerialized (`kept`). Read off the same 16x16
     program at 8 layers, the lower 4 rematerialized: XLA holds the upper
     layers' kept activations of the hidden class cut over `model`.
     A rematerialized layer's recomputed activations are made whole, as the

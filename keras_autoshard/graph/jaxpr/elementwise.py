@@ -37,9 +37,9 @@ def _record_param_cast(builder, operand: int, out: int) -> None:
     cast under `mixed_bfloat16`: `AxisGraph.param_casts`)."""
     source = builder.cast_of.get(operand, operand)
     param, result = builder.tensors[source], builder.tensors[out]
-    if param.kind == "param" and param.shape == result.shape:
-        if param.itemsize != result.itemsize:
-            builder.cast_of[out] = source
+    same_shape = param.shape == result.shape
+    if param.kind == "param" and same_shape and param.itemsize != result.itemsize:
+        builder.cast_of[out] = source
 
 
 def _map_broadcasting_operand(e: Eqn, operand: int, out: int) -> None:
