@@ -50,10 +50,16 @@ from keras_autoshard.planner.sequence_parallel import (
     with_sequence_cut,
 )
 from keras_autoshard.planner.sequence_parallel import describe as describe_sequence
-from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate, usable_budget
+from keras_autoshard.plans.estimate import (
+    COMPILERS,
+    PlanEstimate,
+    usable_budget,
+    xla_gpu_program_limit,
+)
 from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
 from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.runtime.gpu_targets import device_memory_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +105,7 @@ class NoFit(Exception):
         """Bytes of peak above the usable budget (the budget less the
         estimate's headroom)."""
         estimate = self.best.estimate
-        return estimate.peak_bytes - usable_budget(
-            estimate.budget_bytes or 0, estimate.compiler
-        )
+        return estimate.peak_bytes - (estimate.usable_bytes or 0)
 
 
 REMAT_REQUESTS = ("auto", "none", "all")
@@ -387,7 +391,21 @@ def _candidate(
         + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
         search=None if assignment.search is None else assignment.search.describe(),
     )
+    estimate = dataclasses.replace(
+        estimate, compiler_limit_bytes=_compiler_limit(estimate, profile)
+    )
     return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
+
+
+def _compiler_limit(estimate: PlanEstimate, profile) -> int | None:
+    """XLA:GPU's own limit on a training step planned for a GPU profile
+    that has a target description (`xla_gpu_program_limit`)."""
+    if profile is None or estimate.compiler != "XLA:GPU" or estimate.job != "train":
+        return None
+    memory = device_memory_size(profile)
+    if memory is None:
+        return None
+    return xla_gpu_program_limit(memory, estimate.io_bytes)
 
 
 def _sequence_levers(
@@ -488,7 +506,7 @@ def _describe_levers(
 
 def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     """Changes that would fit the budget, from the least-peak estimate."""
-    budget = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
+    budget = estimate.usable_bytes or 0
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     per_batch = estimate.activation_bytes + estimate.data_bytes

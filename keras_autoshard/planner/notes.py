@@ -59,6 +59,21 @@ def _parts(estimate: PlanEstimate) -> str:
     )
 
 
+def _fill_text(estimate: PlanEstimate) -> str:
+    """What plans may fill of the budget, and why: the estimate's headroom,
+    or XLA:GPU's own limit where that is lower."""
+    usable = estimate.usable_bytes or 0
+    headroom = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
+    if usable < headroom:
+        return (
+            f"plans fill at most {format_bytes(usable)} of it: XLA:GPU's own "
+            f"limit for this program, 80 % of the device's memory less the "
+            f"step's arguments and outputs, times 0.95, over which XLA:GPU "
+            f"recomputes values by itself"
+        )
+    return f"plans fill at most {format_bytes(usable)} of it"
+
+
 def memory_note(estimate: PlanEstimate) -> str:
     """The estimated peak per device, against the budget when there is one,
     and the levers chosen."""
@@ -74,11 +89,9 @@ def memory_note(estimate: PlanEstimate) -> str:
         return (
             f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
         )
-    usable = usable_budget(estimate.budget_bytes, estimate.compiler)
-    budget = (
-        f"the budget {format_bytes(estimate.budget_bytes)} (plans fill at most "
-        f"{format_bytes(usable)} of it)"
-    )
+    usable = estimate.usable_bytes
+    budget = f"the budget {format_bytes(estimate.budget_bytes)}"
+    budget += f" ({_fill_text(estimate)})"
     if estimate.peak_bytes <= usable:
         return (
             f"Estimated peak per device {peak} fits {budget} ({_parts(estimate)})."
@@ -94,11 +107,10 @@ def memory_note(estimate: PlanEstimate) -> str:
 def no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
     estimate = no_fit.best.estimate
     levers = "; ".join(estimate.levers) or "no rematerialization to offer"
-    usable = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
     return (
         f"No plan fits the per-device budget of "
-        f"{format_bytes(estimate.budget_bytes or 0)} (of which plans may fill "
-        f"{format_bytes(usable)}, the rest kept for the estimate's error): the "
+        f"{format_bytes(estimate.budget_bytes or 0)} ({_fill_text(estimate)}; "
+        f"the rest is kept for the estimate's error): the "
         f"least peak found, on "
         f"{mesh.describe()}, is {format_bytes(estimate.peak_bytes)}, over by "
         f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "

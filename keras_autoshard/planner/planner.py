@@ -31,7 +31,7 @@ from keras_autoshard.planner.levers import (
     sequence_parallel_modes,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import JOBS
+from keras_autoshard.planner.memory_model import JOBS, batch_axis
 from keras_autoshard.planner.notes import memory_note, no_fit_message, uneven_state_note
 from keras_autoshard.planner.output_layouts import output_layouts
 from keras_autoshard.planner.roles import class_roles
@@ -490,7 +490,7 @@ def _build_plan(
         entries.append(
             VariableSharding(info.path, info.shape, info.dtype, spec, var_roles, reason)
         )
-    batch_axis = _batch_axis(graph, assignment)
+    data_axis = batch_axis(graph, assignment)
     activations, pin_notes = output_layouts(
         graph, assignment, pinned, sequence, estimate.job if estimate else "train"
     )
@@ -499,7 +499,7 @@ def _build_plan(
     plan = ShardingPlan(
         mesh=mesh,
         variables=tuple(entries),
-        batch_axis=batch_axis,
+        batch_axis=data_axis,
         activations=activations,
         notes=tuple(plan_notes(graph, mesh, assignment, roles, cost) + pin_notes),
         estimate=estimate,
@@ -507,12 +507,3 @@ def _build_plan(
     )
     validate_plan_structure(plan)
     return plan
-
-
-def _batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
-    for tensor in graph.tensors:
-        if tensor.kind == "input" and tensor.dim_classes:
-            cls = tensor.dim_classes[0]
-            if cls is not None and cls in assignment.class_axis:
-                return assignment.class_axis[cls]
-    return None

@@ -33,6 +33,43 @@ HEADROOM = {"XLA:CPU": 0.14, "XLA:GPU": 0.14, "XLA:TPU": 0.14}
 # set when the deficit reached 7.69 MiB); nothing at real sizes.
 HEADROOM_BYTES = {"XLA:CPU": 0, "XLA:GPU": 8 * 2**20, "XLA:TPU": 8 * 2**20}
 
+# XLA:GPU limits the memory of the programs it compiles (xla/service/gpu/
+# gpu_hlo_schedule.cc, `GetSchedulerMemoryLimit`): 80 % of the device's
+# memory as its description states it (`device_memory_size`), less the
+# program's arguments and outputs (an aliased output counted once), times
+# `--xla_gpu_memory_limit_slop_factor` (95 by default). Its memory
+# scheduler and `HloRematerialization` (which recomputes values, `.remat`
+# in the optimized HLO) keep the temporaries under that limit where they
+# can. Read off the compiled programs of BENCHMARKS.md "real-size memory
+# truth on XLA:GPU": Llama-2-70B on 16x16 holds 45.00 GiB of temporaries
+# under its limit of 46.84 GiB, having recomputed two layers' float32
+# attention scores (2 x 2 GiB) that its schedule would otherwise hold.
+XLA_GPU_MEMORY_SHARE = 0.8
+XLA_GPU_SLOP_FACTOR = 0.95
+
+
+def xla_gpu_program_limit(device_memory_bytes: int, io_bytes: int) -> int:
+    """The peak XLA:GPU keeps a program under: its arguments and outputs
+    plus the limit its scheduler and rematerialization give temporaries.
+
+    Args:
+        device_memory_bytes: The device's memory as XLA:GPU reads it (the
+            target description's `device_memory_size`).
+        io_bytes: The program's arguments and outputs per device, an
+            aliased (donated) pair counted once.
+
+    Returns:
+        Bytes per device.
+
+    Example:
+
+    ```python
+    xla_gpu_program_limit(85_520_809_984, 14 * 2**30)  # about 61 GiB
+    ```
+    """
+    room = max(0.0, XLA_GPU_MEMORY_SHARE * device_memory_bytes - io_bytes)
+    return int(io_bytes + room * XLA_GPU_SLOP_FACTOR)
+
 
 def usable_budget(budget: int, compiler: str = "XLA:CPU") -> int:
     """The part of a budget a plan's estimate may fill (`HEADROOM` of the
@@ -101,6 +138,10 @@ class PlanEstimate:
             or where a budgeted search stopped at its node or time limit,
             the best plan found and its optimality gap (`None`: a plan
             not made by the search, or read from an older file).
+        compiler_limit_bytes: For a training step planned for a GPU profile
+            with a target description, the peak XLA:GPU keeps the program
+            under by itself (`xla_gpu_program_limit`), which a plan that
+            fits stays under (`usable_bytes`); `None` otherwise.
 
     Example:
 
@@ -127,6 +168,7 @@ class PlanEstimate:
     levers: tuple[str, ...] = ()
     compiler: str = "XLA:CPU"
     search: str | None = None
+    compiler_limit_bytes: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -134,17 +176,39 @@ class PlanEstimate:
         return sum(getattr(self, name) for name in _BYTE_FIELDS)
 
     @property
+    def io_bytes(self) -> int:
+        """The step's arguments and outputs per device, donated ones once:
+        the variables, the optimizer's, and one step's data."""
+        return self.parameter_bytes + self.optimizer_bytes + self.data_bytes
+
+    @property
     def communication_bytes(self) -> float:
         """Collective bytes per step over every mesh axis together."""
         return float(sum(self.communication_by_axis.values()))
 
     @property
-    def fits(self) -> bool | None:
-        """Whether the peak fits the part of the budget plans may fill
-        (`usable_budget`; `None` without a budget)."""
+    def usable_bytes(self) -> int | None:
+        """What the peak may fill (`None` without a budget): the budget less
+        the compiler's `HEADROOM` (`usable_budget`), and no more than the
+        compiler's own limit (`compiler_limit_bytes`). Over that limit
+        XLA:GPU recomputes values and reorders its schedule by itself, so
+        its program is no longer the one the estimate and the step time
+        follow; under it the plan's own levers (rematerialized layers,
+        micro-batches) make the program fit."""
         if self.budget_bytes is None:
             return None
-        return self.peak_bytes <= usable_budget(self.budget_bytes, self.compiler)
+        usable = usable_budget(self.budget_bytes, self.compiler)
+        if self.compiler_limit_bytes is not None:
+            usable = min(usable, self.compiler_limit_bytes)
+        return usable
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the part of the budget plans may fill
+        (`usable_bytes`; `None` without a budget)."""
+        if self.budget_bytes is None:
+            return None
+        return self.peak_bytes <= self.usable_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready data; `peak_bytes` included for readers of the file."""
@@ -162,6 +226,7 @@ class PlanEstimate:
         data["levers"] = list(self.levers)
         data["compiler"] = self.compiler
         data["search"] = self.search
+        data["compiler_limit_bytes"] = self.compiler_limit_bytes
         return data
 
     @classmethod
@@ -182,6 +247,7 @@ class PlanEstimate:
             # Plans written before estimates followed a GPU's compiler.
             compiler=data.get("compiler", "XLA:CPU"),
             search=data.get("search"),
+            compiler_limit_bytes=data.get("compiler_limit_bytes"),
         )
 
     def lines(self) -> list[tuple[str, int]]:

@@ -43,8 +43,11 @@ class HardwareProfile:
         devices_per_node: Devices in one node (GPUs) or one slice (TPUs).
         source: Where the figures come from.
         gpu_target: For a GPU, the file in `keras_autoshard/runtime/gpu_targets/`
-            that describes it to XLA:GPU, so plans compile for it without a
-            device (`keras-autoshard inspect --target NAME`); `None` if none.
+            that describes it to XLA:GPU (a `GpuTargetConfigProto`), or the
+            absolute path of a description of your own, so plans compile
+            for it without a device (`keras-autoshard inspect --target
+            NAME`) and estimates know XLA:GPU's own memory limit
+            (`PlanEstimate.compiler_limit_bytes`); `None` if none.
 
     Example:
 

@@ -20,7 +20,7 @@ import itertools
 import math
 from collections import defaultdict
 
-from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
+from keras_autoshard.plans.estimate import PlanEstimate
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan, VariableSharding
 
@@ -207,7 +207,7 @@ def estimate_title(estimate: PlanEstimate) -> str:
     peak = f"Estimated peak per device {format_bytes(estimate.peak_bytes)}"
     if estimate.budget_bytes is None:
         return peak + " (no budget)"
-    usable = usable_budget(estimate.budget_bytes, estimate.compiler)
+    usable = estimate.usable_bytes
     budget = format_bytes(estimate.budget_bytes)
     if estimate.peak_bytes <= usable:
         return f"{peak}: fits the budget {budget}"
@@ -230,7 +230,7 @@ def _draw_estimate(axes, estimate: PlanEstimate) -> None:
     if estimate.budget_bytes is not None:
         axes.axvline(estimate.budget_bytes / unit, color="black", label="budget")
         axes.axvline(
-            usable_budget(estimate.budget_bytes, estimate.compiler) / unit,
+            estimate.usable_bytes / unit,
             color="black",
             linestyle="--",
             label="plans fill at most",

@@ -18,8 +18,11 @@ mesh = jax.sharding.Mesh(np.array(topology.devices).reshape(32, 8), ("data", "mo
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import importlib.util
+import pathlib
+import re
 
 from keras_autoshard.errors import GpuCompilerMissingError, PlanError
 from keras_autoshard.plans.hardware import PROFILES, HardwareProfile, hardware_profile
@@ -48,8 +51,41 @@ def target_description(profile: str | HardwareProfile) -> str:
             f"so no XLA:GPU program can be compiled for it; these have one: "
             f"{', '.join(known)}."
         )
+    own = pathlib.Path(profile.gpu_target)
+    if own.is_absolute():  # a description of your own
+        return own.read_text(encoding="utf-8")
     files = importlib.resources.files(__package__)
     return files.joinpath(profile.gpu_target).read_text(encoding="utf-8")
+
+
+@functools.cache
+def device_memory_size(profile: str | HardwareProfile) -> int | None:
+    """The device memory XLA:GPU reads from a GPU profile's target
+    description (`device_memory_size`), or `None` for a profile without one.
+
+    Args:
+        profile: A hardware profile or its name.
+
+    Returns:
+        Bytes of one device's memory, as the device reports them.
+
+    Example:
+
+    ```python
+    device_memory_size("h100-80gb")  # 85,520,809,984: 81,559 MiB
+    ```
+    """
+    profile = hardware_profile(profile)
+    if profile.gpu_target is None:
+        return None
+    text = target_description(profile)
+    match = re.search(r"^\s*device_memory_size:\s*(\d+)", text, re.M)
+    if match is None:
+        raise PlanError(
+            f"The target description {profile.gpu_target} of hardware profile "
+            f"{profile.name!r} states no device_memory_size."
+        )
+    return int(match.group(1))
 
 
 def require_gpu_compiler() -> None:
