@@ -346,9 +346,11 @@ class AxisGraph:
             every `dot_general`: XLA:GPU merges the weight gradients of
             products that read one input into one product
             (`planner/split_k.py`).
-        param_casts: `(cast, parameter)` tensor ids: each parameter read
-            in another precision (its bfloat16 cast under `mixed_bfloat16`),
-            which a product then reads in its place.
+        casts: `(cast, source)` tensor ids: each parameter or activation
+            converted to another precision, the shape kept (a parameter's
+            bfloat16 cast under `mixed_bfloat16`, which a product then reads
+            in its place; attention probabilities cast back to bfloat16);
+            `param_casts` and `activation_casts` split them by source.
         relaid_operands: Operands of a matrix product that XLA copies into
             another layout before multiplying (`graph/jaxpr/contractions.py`:
             a product it rewrites to canonical form, whose transpose of the
@@ -391,7 +393,7 @@ class AxisGraph:
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
     matmul_pairs: tuple[tuple[int, int], ...] = ()
-    param_casts: tuple[tuple[int, int], ...] = ()
+    casts: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     several_outputs: tuple[str, ...] = ()
 
@@ -413,6 +415,18 @@ class AxisGraph:
             residuals=self.accelerator_residuals,
             residuals_within_layers=self.accelerator_residuals_within_layers,
         )
+
+    @functools.cached_property
+    def param_casts(self) -> tuple[tuple[int, int], ...]:
+        """`(cast, parameter)` of `casts`: parameters read in another
+        precision."""
+        return tuple(c for c in self.casts if self.tensors[c[1]].kind == "param")
+
+    @functools.cached_property
+    def activation_casts(self) -> tuple[tuple[int, int], ...]:
+        """`(cast, activation)` of `casts`: activations converted to another
+        precision."""
+        return tuple(c for c in self.casts if self.tensors[c[1]].kind == "activation")
 
     @functools.cached_property
     def matmul_operand_ids(self) -> frozenset[int]:

@@ -76,7 +76,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
-from keras_autoshard.graph.fusion import kept_after_fusion, note_fusion
+from keras_autoshard.graph.fusion import cast_pairs, kept_after_fusion, note_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -205,7 +205,7 @@ class _GraphBuilder:
         self.grouped_convs: list[GroupedConv] = []
         # tensor id -> the tensor it relabels (reshape, transpose, ...).
         self.view_of: dict[int, int] = {}
-        self.cast_of: dict[int, int] = {}  # a parameter's cast -> parameter
+        self.cast_of: dict[int, int] = {}  # a precision cast -> its source
         # broadcast_in_dim result -> (operand, the result dims it broadcasts).
         self.broadcast_of: dict[int, tuple[int, frozenset[int]]] = {}
         # Name scope (Keras layer path) -> the last tensor of each call.
@@ -486,7 +486,7 @@ class _GraphBuilder:
             key_values=key_value_pairs(self),
             matmul_operands=tuple(sorted(self.matmul_operands)),
             matmul_pairs=tuple(self.matmul_pairs),
-            param_casts=tuple(sorted(self.cast_of.items())),
+            casts=cast_pairs(self),
             relaid_operands=tuple(sorted(self.relaid_operands)),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),

@@ -184,6 +184,29 @@ def _fusion_roots(
     return memo[tid]
 
 
+def cast_pairs(builder: Any) -> tuple[tuple[int, int], ...]:
+    """`(cast, source)` of every precision cast (`AxisGraph.casts`): a
+    parameter's own; of an activation's that a matrix product reads (one
+    that only elementwise work reads is fused into it), the materialised
+    value of its shape that XLA:GPU's fusion recomputes it from (the attention scores' product
+    behind the probabilities cast to bfloat16: the backward fusion reads the
+    cast's gradient and writes the product's)."""
+    pairs, memo = {}, {}
+    read = {builder.view_of.get(t, t) for t in builder.matmul_operands}
+    for cast, source in builder.cast_of.items():
+        if builder.tensors[source].kind == "activation":
+            if cast not in read:  # fused into its elementwise readers
+                continue
+            shape = builder.tensors[cast].shape
+            roots = _fusion_roots(builder, source, memo, False, accelerator=True)
+            same = [r for r in roots if builder.tensors[r].shape == shape]
+            source = max(
+                same, key=lambda r: builder.tensors[r].itemsize, default=source
+            )
+        pairs[cast] = source
+    return tuple(sorted(pairs.items()))
+
+
 def _materialised(builder: Any, tid: int) -> bool:
     """Whether XLA:GPU keeps `tid`, an elementwise output, as it is
     (`MATERIALISED_ON_ACCELERATORS`)."""

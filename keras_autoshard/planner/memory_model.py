@@ -416,6 +416,18 @@ def accelerator_peak(
         # gradients of its output and its input at once, the second not
         # counted (`tests/test_residual_fusion_gpu.py`).
         largest[stage] = max(largest[stage], size)
+    # The backward pass of a precision cast reads the cast's gradient and
+    # writes its source's, buffers of two sizes live at once (Llama-2-70B
+    # widths on 32x8: the bfloat16 attention probabilities' gradient, 2 GiB,
+    # beside the float32 scores', 4 GiB, in every layer's backward pass).
+    for cast, source in graph.activation_casts:
+        if not batch_classes.intersection(graph.tensors[cast].dim_classes):
+            continue
+        stage = position.get(graph.tensor_layers[cast], last)
+        pair = sum(
+            local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
+        )
+        largest[stage] = max(largest[stage], pair * part)
     whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)

@@ -206,7 +206,11 @@ def accelerator_stages(
             kept[min(readers)].append(term)
     for layer, tids in graph.layer_inputs:
         if layer in remat:
-            kept[position[layer]] += [(tid, 1.0) for tid in tids]
+            # Held whole from the forward pass: not made again (it was
+            # counted twice, Llama-2-70B widths on 32x8: 512 MiB a stage).
+            at = position[layer]
+            own[at] = [(tid, f) for tid, f in own[at] if tid not in tids]
+            kept[at] += [(tid, 1.0) for tid in tids]
     gradients: list[list[int]] = [[] for _ in range(last + 1)]
     for tid, layers in graph.param_readers:
         gradients[max(position.get(layer, last) for layer in layers)].append(tid)

@@ -28,17 +28,18 @@ def _rule_elementwise(e: Eqn) -> list[int]:
             _map_broadcasting_operand(e, operand, out)
     if e.name in VIEW_PRIMITIVES:
         e.builder.record_view(e.ins[0], outs[0])
-        _record_param_cast(e.builder, e.ins[0], outs[0])
+        _record_cast(e.builder, e.ins[0], outs[0])
     return outs
 
 
-def _record_param_cast(builder, operand: int, out: int) -> None:
-    """Note `out` as a parameter read in another precision (its bfloat16
-    cast under `mixed_bfloat16`: `AxisGraph.param_casts`)."""
+def _record_cast(builder, operand: int, out: int) -> None:
+    """Note `out` as a parameter or activation converted to another
+    precision, its shape kept (`AxisGraph.casts`)."""
     source = builder.cast_of.get(operand, operand)
-    param, result = builder.tensors[source], builder.tensors[out]
-    same_shape = param.shape == result.shape
-    if param.kind == "param" and same_shape and param.itemsize != result.itemsize:
+    origin, result = builder.tensors[source], builder.tensors[out]
+    same_shape = origin.shape == result.shape
+    kinds = ("param", "activation")
+    if origin.kind in kinds and same_shape and origin.itemsize != result.itemsize:
         builder.cast_of[out] = source
 
 
