@@ -188,9 +188,10 @@ def cast_pairs(builder: Any) -> tuple[tuple[int, int], ...]:
     """`(cast, source)` of every precision cast (`AxisGraph.casts`): a
     parameter's own; of an activation's that a matrix product reads (one
     that only elementwise work reads is fused into it), the materialised
-    value of its shape that XLA:GPU's fusion recomputes it from (the attention scores' product
-    behind the probabilities cast to bfloat16: the backward fusion reads the
-    cast's gradient and writes the product's)."""
+    value of its shape that XLA:GPU's fusion recomputes it from (the
+    attention scores' product behind the probabilities cast to bfloat16:
+    the backward fusion reads the cast's gradient and writes the
+    product's)."""
     pairs, memo = {}, {}
     read = {builder.view_of.get(t, t) for t in builder.matmul_operands}
     for cast, source in builder.cast_of.items():

@@ -408,13 +408,13 @@ def accelerator_peak(
             continue
         stage = position.get(graph.tensor_layers[tensor.id], last)
         size = local_bytes(tensor, assignment, sizes) * part
-        # One buffer for the gradient being formed: where the largest is a
-        # transformer's attention scores XLA:GPU holds one at a time
-        # (Llama-2-70B widths on 32x8, 2 layers: counting two put the
-        # estimate at 1.16 of the compiled peak, from 0.92). Where it is an
-        # MLP's activation, the backward pass of the activation holds the
-        # gradients of its output and its input at once, the second not
-        # counted (`tests/test_residual_fusion_gpu.py`).
+        # One buffer for the gradient being formed (two were counted for
+        # every activation once, which put Llama-2-70B widths on 32x8 at
+        # 1.16 of the compiled peak); where an MLP's activation is the
+        # largest, the backward pass of the activation holds the gradients
+        # of its output and its input at once, the second not counted
+        # (`tests/test_residual_fusion_gpu.py`); a precision cast's two
+        # are, below.
         largest[stage] = max(largest[stage], size)
     # The backward pass of a precision cast reads the cast's gradient and
     # writes its source's, buffers of two sizes live at once (Llama-2-70B
