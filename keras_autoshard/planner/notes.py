@@ -59,19 +59,17 @@ def _parts(estimate: PlanEstimate) -> str:
     )
 
 
-def _fill_text(estimate: PlanEstimate) -> str:
-    """What plans may fill of the budget, and why: the estimate's headroom,
-    or XLA:GPU's own limit where that is lower."""
-    usable = estimate.usable_bytes or 0
+def _limit_clause(estimate: PlanEstimate) -> str:
+    """Why plans may fill no more of the budget than `usable_bytes`, where
+    XLA:GPU's own limit is what binds (empty otherwise)."""
     headroom = usable_budget(estimate.budget_bytes or 0, estimate.compiler)
-    if usable < headroom:
-        return (
-            f"plans fill at most {format_bytes(usable)} of it: XLA:GPU's own "
-            f"limit for this program, 80 % of the device's memory less the "
-            f"step's arguments and outputs, times 0.95, over which XLA:GPU "
-            f"recomputes values by itself"
-        )
-    return f"plans fill at most {format_bytes(usable)} of it"
+    if (estimate.usable_bytes or 0) >= headroom:
+        return ""
+    return (
+        ", XLA:GPU's own limit for this program: 80 % of the device's memory "
+        "less the step's arguments and outputs, times 0.95, over which "
+        "XLA:GPU recomputes values by itself"
+    )
 
 
 def memory_note(estimate: PlanEstimate) -> str:
@@ -90,8 +88,10 @@ def memory_note(estimate: PlanEstimate) -> str:
             f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
         )
     usable = estimate.usable_bytes
-    budget = f"the budget {format_bytes(estimate.budget_bytes)}"
-    budget += f" ({_fill_text(estimate)})"
+    budget = (
+        f"the budget {format_bytes(estimate.budget_bytes)} (plans fill at most "
+        f"{format_bytes(usable)} of it{_limit_clause(estimate)})"
+    )
     if estimate.peak_bytes <= usable:
         return (
             f"Estimated peak per device {peak} fits {budget} ({_parts(estimate)})."
@@ -107,10 +107,12 @@ def memory_note(estimate: PlanEstimate) -> str:
 def no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
     estimate = no_fit.best.estimate
     levers = "; ".join(estimate.levers) or "no rematerialization to offer"
+    limit = _limit_clause(estimate)
     return (
         f"No plan fits the per-device budget of "
-        f"{format_bytes(estimate.budget_bytes or 0)} ({_fill_text(estimate)}; "
-        f"the rest is kept for the estimate's error): the "
+        f"{format_bytes(estimate.budget_bytes or 0)} (of which plans may fill "
+        f"{format_bytes(estimate.usable_bytes or 0)}{limit}{'; ' if limit else ', '}"
+        f"the rest kept for the estimate's error): the "
         f"least peak found, on "
         f"{mesh.describe()}, is {format_bytes(estimate.peak_bytes)}, over by "
         f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "
