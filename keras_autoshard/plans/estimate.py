@@ -20,8 +20,11 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 # BENCHMARKS.md "memory truth"): estimate / compiled peak 0.86 to 1.14 over
 # the 65 zoo rows, so 14 %. XLA:GPU at real widths (BENCHMARKS.md
 # "real-size memory truth on XLA:GPU", `benchmarks/real_size_gpu.py`): the
-# worst is 0.96 (Llama-3-8B on 1x8, 60.92 against 63.47 GiB), so 4 % would
-# do; kept at 14 %. XLA:TPU is not measured: it takes XLA:GPU's.
+# worst is 0.98 (Llama-2-70B on 32x8, 59.22 against 60.36 GiB), so 2 %
+# would do there; the zoo's small plans reach 0.76 (`HEADROOM_BYTES`), and a
+# plan for a whole GPU is bounded lower still by XLA:GPU's own limit
+# (`xla_gpu_program_limit`); kept at 14 %. XLA:TPU is not measured: it takes
+# XLA:GPU's.
 HEADROOM = {"XLA:CPU": 0.14, "XLA:GPU": 0.14, "XLA:TPU": 0.14}
 
 # Bytes per device kept free besides `HEADROOM`: on XLA:GPU the zoo's plans
