@@ -135,8 +135,10 @@ def estimate_memory(
                 trainable += shard
                 if tensor.id not in unread:
                     gradients += shard
+    # Data arrive cut by the batch axis only (`_data_bytes`).
+    data_ways = sizes.get(batch_axis(graph, assignment), 1)
     inputs = _data_bytes(
-        graph, assignment, sizes, [t.id for t in graph.tensors if t.kind == "input"]
+        graph, data_ways, [t.id for t in graph.tensors if t.kind == "input"]
     )
     output_ids = set(graph.outputs)
     batch_classes = batch_carrying_classes(graph)
@@ -186,7 +188,7 @@ def estimate_memory(
     # One target per differentiable output, at `TARGET_ITEMSIZE` where the
     # output is a narrower float.
     outputs = [t for t in graph.outputs if graph.tensors[t].requires_grad]
-    targets = _data_bytes(graph, assignment, sizes, outputs, TARGET_ITEMSIZE)
+    targets = _data_bytes(graph, data_ways, outputs, TARGET_ITEMSIZE)
     workspace = max(
         (
             local_bytes(graph.tensors[t], assignment, sizes)
@@ -483,17 +485,16 @@ def batch_axis(graph: AxisGraph, assignment: Assignment) -> str | None:
 
 def _data_bytes(
     graph: AxisGraph,
-    assignment: Assignment,
-    sizes: dict[str, int],
+    ways: int,
     tensor_ids,
     least_itemsize: int = 1,
 ) -> float:
     """Bytes on one device of data the step is given (inputs, targets): cut
-    by the batch axis only, as Keras lays data out, whatever the plan cuts
-    the batch by inside the step. Measured on XLA:GPU: an MLP whose plan
-    cuts its inputs' batch 8 ways on a 2x4 mesh is given them cut 2 ways
-    (128 MiB a device, where the plan's cut said 32)."""
-    ways = sizes.get(batch_axis(graph, assignment), 1)
+    `ways` ways, by the batch axis only (`batch_axis`), as Keras lays data
+    out, whatever the plan cuts the batch by inside the step. Measured on
+    XLA:GPU: an MLP whose plan cuts its inputs' batch 8 ways on a 2x4 mesh
+    is given them cut 2 ways (128 MiB a device, where the plan's cut said
+    32)."""
     return sum(
         math.prod(graph.tensors[t].shape)
         * max(graph.tensors[t].itemsize, least_itemsize)

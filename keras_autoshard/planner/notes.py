@@ -8,7 +8,12 @@ decides, these functions say what it decided.
 from __future__ import annotations
 
 from keras_autoshard.planner.levers import ASKED, NoFit
-from keras_autoshard.plans.estimate import PlanEstimate, usable_budget
+from keras_autoshard.plans.estimate import (
+    XLA_GPU_MEMORY_SHARE,
+    XLA_GPU_SLOP_FACTOR,
+    PlanEstimate,
+    usable_budget,
+)
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 
@@ -66,9 +71,10 @@ def _limit_clause(estimate: PlanEstimate) -> str:
     if (estimate.usable_bytes or 0) >= headroom:
         return ""
     return (
-        ", XLA:GPU's own limit for this program: 80 % of the device's memory "
-        "less the step's arguments and outputs, times 0.95, over which "
-        "XLA:GPU recomputes values by itself"
+        f", XLA:GPU's own limit for this program: "
+        f"{XLA_GPU_MEMORY_SHARE * 100:.0f} % of the device's memory less the "
+        f"step's arguments and outputs, times "
+        f"{XLA_GPU_SLOP_FACTOR}, over which XLA:GPU recomputes values by itself"
     )
 
 
