@@ -38,6 +38,9 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import no_tensorflow
+
+    no_tensorflow.hide()
     import keras_autoshard as ka
 
     ka.simulate_devices(8 // args.processes)

@@ -28,6 +28,9 @@ import traceback
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests import no_tensorflow
+
+    no_tensorflow.hide()
 
 import h5py  # noqa: E402
 import keras  # noqa: E402
