@@ -24,11 +24,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
-from tests import fast_codegen  # noqa: E402
 
-# Faster compiles, the same programs (tests/fast_codegen.py says what it
-# changes and what it was measured to save).
-os.environ["XLA_FLAGS"] = fast_codegen.with_flag(os.environ.get("XLA_FLAGS", ""))
 simulate_devices(8)
 
 import jax  # noqa: E402
