@@ -6,6 +6,10 @@ does: about 10 CPU-seconds in every torchrun rank and JAX worker process on
 this machine, none of which runs TensorFlow. Marked absent in `sys.modules`,
 TensorFlow is what Keras and KerasHub see on a machine without it (an
 `ImportError` on import), so these processes run as they would there.
+
+Not used by the workers whose tests check how a rank ends
+(`torch_exit_worker`, `torch_checkpoint_worker`): a KerasHub user's ranks
+import TensorFlow, and its threads are among those alive at interpreter exit.
 """
 
 import sys

@@ -37,9 +37,6 @@ import traceback
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests import no_tensorflow
-
-    no_tensorflow.hide()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -45,9 +45,6 @@ if __name__ == "__main__":
     atexit.register(_report, sys.argv[1])
     os.environ["KERAS_BACKEND"] = "torch"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests import no_tensorflow
-
-    no_tensorflow.hide()
 
     import keras
     import numpy as np
