@@ -1,4 +1,5 @@
-"""Every Backbone class that keras_hub 0.32.0 exports, on 2x4 (and 1x8, 8x1).
+"""Every Backbone class that keras_hub 0.32.0 exports, on 2x4 (and 1x8, 8x1):
+the text classes here, the others in `tests/test_model_coverage_images.py`.
 
 Each class is built once from a small config (`benchmarks/hub_backbones`,
 batch 8) on one device; on a mesh `AutoShardDistribution.prepare` plans it
@@ -150,22 +151,36 @@ def _meshes(class_name: str) -> list[str]:
 
 
 TRAIN_STEP = "train step on " + TRAIN_MESH
-CHECKS = [
-    (class_name, check)
-    for class_name, case in sorted(CASES.items())
-    for check in [
-        *_meshes(class_name),
-        *([TRAIN_STEP] if case.modality == "text" else []),
+
+
+def checks(text: bool) -> list[tuple[str, str]]:
+    """(class, check) of the text classes (`text=True`: a mesh, and the
+    training step) or of the others (vision, audio, multimodal: the meshes),
+    class by class. The two halves are two test files
+    (`tests/test_model_coverage_images.py` has the other), so that the
+    suite's two workers share the sweep (a test file runs on one worker)."""
+    return [
+        (class_name, check)
+        for class_name, case in sorted(CASES.items())
+        if (case.modality == "text") == text
+        for check in [
+            *_meshes(class_name),
+            *([TRAIN_STEP] if case.modality == "text" else []),
+        ]
+        if not (check == TRAIN_STEP and class_name in NOT_TRACEABLE)
     ]
-    if not (check == TRAIN_STEP and class_name in NOT_TRACEABLE)
-]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("class_name, check", CHECKS)
+@pytest.mark.parametrize("class_name, check", checks(text=True))
 def test_backbone_plans_and_matches_one_device(class_name, check):
     """`check` is a mesh (forward parity, batch split) or the training step;
     they run class by class so that each class is built once."""
+    run_check(class_name, check)
+
+
+def run_check(class_name: str, check: str) -> None:
+    """Runs one (class, check) of `checks`."""
     if class_name in NOT_TRACEABLE:
         assert_fails_with_a_clear_error(class_name, check)
         return
