@@ -19,8 +19,9 @@ devices, read from the variables' addressable shards, whether the batch is
 split or why not, and the parity) replace the `model-coverage` section of the
 output file.
 
-`tests/test_model_coverage.py` runs the same `check_on_mesh` on every class and
-asserts what it measures.
+`tests/test_model_coverage.py` (text classes) and
+`tests/test_model_coverage_images.py` (the others) run the same
+`check_on_mesh` on every class and assert what it measures.
 """
 
 from __future__ import annotations
