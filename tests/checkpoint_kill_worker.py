@@ -19,6 +19,7 @@ if __name__ == "__main__":
     from tests import no_tensorflow
 
     no_tensorflow.hide()
+
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

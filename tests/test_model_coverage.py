@@ -165,7 +165,7 @@ def checks(text: bool) -> list[tuple[str, str]]:
         if (case.modality == "text") == text
         for check in [
             *_meshes(class_name),
-            *([TRAIN_STEP] if case.modality == "text" else []),
+            *([TRAIN_STEP] if text else []),
         ]
         if not (check == TRAIN_STEP and class_name in NOT_TRACEABLE)
     ]
