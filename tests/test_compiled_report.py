@@ -100,3 +100,50 @@ def test_inspect_compiled_plans_an_auto_shard_distribution_on_the_sample_batch()
     assert report.train_step.count("all-reduce", ("model",)) >= 1
     expected = sum(v.bytes_per_device(dist.plan.mesh) for v in dist.plan.variables)
     assert report.parameter_bytes_per_device == expected
+
+
+def test_reports_read_the_program_the_default_code_level_makes():
+    """`inspect_compiled` compiles at the lowest backend optimization level
+    (`READ_NOT_RUN`: its programs are read, never run): on a planned GPT-2's
+    train step, rematerialized layers and all, scheduled for memory as the
+    memory tests read it, the optimized HLO and the memory analysis are
+    those of the default level (3). A flag that changes an HLO pass is seen
+    (`xla_disable_hlo_passes=fusion`), so the comparison can fail."""
+    from keras_autoshard import MeshSpec, plan
+    from keras_autoshard.apply.as_planned import compile_as_planned
+    from keras_autoshard.report.compiled_program import (
+        MEMORY_SCHEDULE_ON_CPU,
+        READ_NOT_RUN,
+    )
+
+    assert READ_NOT_RUN == {"xla_backend_optimization_level": 0}
+    build, batch = zoo.ZOO["gpt2"]
+    x = batch()
+    y = zoo.random_targets(build, x)
+    sharding_plan = plan(
+        build, MeshSpec((2, 4), ("batch", "model")), x, rematerialize="all"
+    )
+    assert sharding_plan.rematerialize
+    dist = PlanDistribution(sharding_plan)
+    with dist.scope():
+        model = build()
+        compile_as_planned(model, sharding_plan)
+
+    # One call site for the three: the HLO text carries the caller's frame.
+    read, default_level, other_passes = [
+        [
+            (step.hlo_text, step.memory)
+            for step in (report.train_step, report.forward_step)
+        ]
+        for report in (
+            inspect_compiled(model, dist, (x, y), {**MEMORY_SCHEDULE_ON_CPU, **options})
+            for options in (
+                {},
+                {"xla_backend_optimization_level": 3},
+                {"xla_disable_hlo_passes": "cse_barrier_expander,fusion"},
+            )
+        )
+    ]
+    assert read == default_level
+    assert read[0][1]["temp_bytes"] > 0
+    assert [text for text, _ in other_passes] != [text for text, _ in read]
