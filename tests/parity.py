@@ -26,8 +26,11 @@ def assert_close(
     assert error <= tol, f"{what}: relative error {error:.3g} > {tol:g}"
 
 
-def mse_gradients(model, x, y):
-    """Gradients of the mean squared error w.r.t. the trainable variables."""
+def outputs_and_gradients(model, x, y):
+    """The forward output leaves and the gradients of the mean squared error
+    w.r.t. the trainable variables, from one jitted program (as `predict`
+    and `fit` run a model: jitted, not op by op; a model called eagerly
+    under a plan is checked in `tests/test_other_shapes.py`)."""
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
 
@@ -36,9 +39,12 @@ def mse_gradients(model, x, y):
         errors = jax.tree_util.tree_map(
             lambda p, t: jnp.mean(jnp.square(p - t)), y_pred, y
         )
-        return sum(jax.tree_util.tree_leaves(errors))
+        return sum(jax.tree_util.tree_leaves(errors)), jax.tree_util.tree_leaves(y_pred)
 
-    return jax.jit(jax.grad(loss_fn))(trainable)
+    (_, outputs), gradients = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        trainable
+    )
+    return outputs, gradients
 
 
 def build_pair(build, distribution):
@@ -109,8 +115,9 @@ def _reference_run(build, reference, x, y, steps, accumulation_steps) -> dict:
         accumulation_steps,
     )
     if key not in _REFERENCE_RUNS:
-        outputs = [np.asarray(o) for o in jax.tree_util.tree_leaves(reference(x))]
-        gradients = [np.asarray(g) for g in mse_gradients(reference, x, y)]
+        outputs, gradients = outputs_and_gradients(reference, x, y)
+        outputs = [np.asarray(o) for o in outputs]
+        gradients = [np.asarray(g) for g in gradients]
         reference.compile(optimizer=_adam(accumulation_steps), loss="mse")
         losses = [reference.train_on_batch(x, y) for _ in range(steps)]
         weights = [np.asarray(v.value) for v in reference.trainable_variables]
@@ -138,12 +145,13 @@ def check_parity(
     with distribution.scope():
         x_sharded = distribute_batch(distribution, x)
         y_sharded = distribute_batch(distribution, y)
-        outputs = zip(
-            jax.tree_util.tree_leaves(sharded(x_sharded)), expected["outputs"]
+        outputs_sharded, grads_sharded = outputs_and_gradients(
+            sharded, x_sharded, y_sharded
         )
-        for index, (out_sharded, out_reference) in enumerate(outputs):
-            assert_close(out_sharded, out_reference, f"forward output {index}")
-        grads_sharded = mse_gradients(sharded, x_sharded, y_sharded)
+    assert len(outputs_sharded) == len(expected["outputs"])
+    outputs = zip(outputs_sharded, expected["outputs"])
+    for index, (out_sharded, out_reference) in enumerate(outputs):
+        assert_close(out_sharded, out_reference, f"forward output {index}")
     grads_reference = expected["gradients"]
     # A gradient's scale is judged against 1e-3 of the largest gradient.
     floor = 1e-3 * max(float(np.max(np.abs(g))) for g in grads_reference)
