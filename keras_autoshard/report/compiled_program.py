@@ -52,11 +52,10 @@ MEMORY_SCHEDULE_ON_CPU = {
 # LLVM optimizes the machine code only: the HLO passes, the schedule and the
 # buffer assignment are the same at every level
 # (`tests/test_compiled_report.py` compares both), and the lowest level
-# spends about a quarter less CPU on a compile (a zoo GPT-2's train and
-# forward steps on 2x4: 13.8 → 10.6 CPU-s). Not for programs that run: at
-# that level XLA:CPU's code for a data-parallel Adam step differs from the
-# default's by more than rounding (OPT on 8x1: 2.8e-4 after five steps).
-# A caller's own `xla_backend_optimization_level` wins.
+# compiles faster. Not for programs that run: at that level XLA:CPU's code
+# for a data-parallel Adam step computes differently from the default's,
+# beyond rounding (the OPT 8x1 five-step parity of `tests/test_planner.py`
+# fails with it). A caller's own `xla_backend_optimization_level` wins.
 READ_NOT_RUN = {"xla_backend_optimization_level": 0}
 
 
