@@ -44,7 +44,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -82,18 +82,28 @@ class BuiltBackbone:
         case: The configuration it was built from.
         model: The model; its variables move onto each mesh in turn.
         inputs: The test batch (numpy).
-        reference_outputs: The forward outputs on one device (numpy leaves).
         weights: Every variable's initial value (numpy), in `model.variables`
             order, to put back after a sharded run.
-        build_seconds: Wall time of the build and the reference forward pass.
+        build_seconds: Wall time of the build (and of the reference forward
+            pass where `build_backbone` ran it).
+        reference: The forward outputs on one device (numpy leaves), once
+            computed: by `build_backbone(reference=True)`, by the first
+            `reference_outputs()`, or by a reference training step (whose
+            program computes the same forward pass).
     """
 
     case: HubBackboneCase
     model: keras.Model
     inputs: Any
-    reference_outputs: list[np.ndarray]
     weights: list[np.ndarray]
     build_seconds: float
+    reference: list[np.ndarray] | None = None
+
+    def reference_outputs(self) -> list[np.ndarray]:
+        """The forward outputs on one device (numpy leaves)."""
+        if self.reference is None:
+            self.reference = forward_on_one_device(self, self.inputs)
+        return self.reference
 
 
 @dataclasses.dataclass
@@ -113,6 +123,8 @@ class CoverageRow:
         batch_axis: The mesh axis the batch is split over, or None.
         batch_note: Why the batch is kept whole ("" when split).
         parity: Largest relative error over the forward outputs.
+        train: The training step's parity, where the check ran one
+            (`check_on_mesh(..., train=True)`).
     """
 
     class_name: str
@@ -126,6 +138,7 @@ class CoverageRow:
     batch_axis: str | None = None
     batch_note: str = ""
     parity: float = float("nan")
+    train: TrainStepParity | None = None
 
 
 def _forward(model: keras.Model):
@@ -145,22 +158,34 @@ def _values(model: keras.Model):
     )
 
 
-def build_backbone(case: HubBackboneCase, batch_size: int = BATCH_SIZE):
-    """Build `case` on one device and compute its reference forward outputs."""
+def build_backbone(
+    case: HubBackboneCase, batch_size: int = BATCH_SIZE, reference: bool = True
+) -> BuiltBackbone:
+    """Build `case` on one device.
+
+    Args:
+        case: The configuration.
+        batch_size: Rows of the test batch.
+        reference: Also compute the reference forward outputs now (so that a
+            model whose forward pass fails on one device fails here);
+            otherwise the first check that needs them computes them.
+
+    Returns:
+        The `BuiltBackbone`.
+    """
     start = time.perf_counter()
     keras.utils.set_random_seed(SEED)
     with names_replayed_after():
         model = build(case)
-    inputs = case.make_inputs(batch_size)
     built = BuiltBackbone(
         case=case,
         model=model,
-        inputs=inputs,
-        reference_outputs=[],
+        inputs=case.make_inputs(batch_size),
         weights=[np.asarray(v.value) for v in model.variables],
         build_seconds=0.0,
     )
-    built.reference_outputs = forward_on_one_device(built, inputs)
+    if reference:
+        built.reference_outputs()
     built.build_seconds = time.perf_counter() - start
     return built
 
@@ -186,51 +211,82 @@ def _device_bytes(model: keras.Model) -> dict:
     return per_device
 
 
-def check_on_mesh(built: BuiltBackbone, mesh_name: str) -> CoverageRow:
+def check_on_mesh(
+    built: BuiltBackbone, mesh_name: str, train: bool = False
+) -> CoverageRow:
     """Plan `built.model` on a mesh, run it sharded and compare with one device.
 
     Errors from planning or running are caught into the row's `status`; the
     batch-kept-whole warning is recorded in `batch_note`, not shown.
+
+    Args:
+        built: The backbone, its variables on one device.
+        mesh_name: A key of `MESHES`.
+        train: Run one training step (`TrainStepParity`) instead of the
+            forward pass alone: one program computes the outputs (compared as
+            the forward pass's), the loss, the gradients and the updated
+            weights, sharded and on one device, under one plan.
+
+    Returns:
+        The `CoverageRow`, with `train` set where `train` is.
     """
     mesh = MESHES[mesh_name]
     row = CoverageRow(built.case.class_name, built.case.modality, mesh_name, "ok")
     model = built.model
     distribution = AutoShardDistribution(device_mesh=mesh)
     try:
+        if train:
+            targets = regression_targets(built)
+            reference = _train_step(model)(*_values(model), built.inputs, targets)
+            reference = jax.tree_util.tree_map(np.asarray, reference)
+            if built.reference is None:
+                built.reference = reference.outputs
+        # Before `prepare` moves the variables off the one device.
+        reference_outputs = built.reference_outputs()
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = distribution.prepare(model, built.inputs)
         row.plan_seconds = time.perf_counter() - start
-        row.batch_axis = plan.batch_axis
-        row.batch_note = " ".join(n for n in plan.notes if n.startswith("The batch"))
-        total = sum(v.total_bytes for v in plan.variables)
-        cut = sum(v.total_bytes for v in plan.variables if any(v.spec))
-        row.parameter_bytes = total
-        row.sharded_share = cut / total if total else 0.0
-        fullest = max(_device_bytes(model).values(), default=0)
-        row.per_device_over_ideal = fullest * DEVICE_COUNT / total if total else 1.0
+        _record_plan(row, plan, model)
         with distribution.scope():
             inputs = _distributed(distribution, built.inputs)
-            trainable, non_trainable = _values(model)
-            outputs = _forward(model)(trainable, non_trainable, inputs)
-        if len(outputs) != len(built.reference_outputs):
-            raise AssertionError(
-                f"{len(outputs)} outputs sharded, {len(built.reference_outputs)} "
-                "on one device"
-            )
-        row.parity = max(
-            (
-                relative_error(out, ref)
-                for out, ref in zip(outputs, built.reference_outputs)
-            ),
-            default=0.0,
-        )
+            if train:
+                step = _train_step(model)(*_values(model), inputs, targets)
+                row.train = train_step_parity(step, reference, model)
+                outputs = step.outputs
+            else:
+                outputs = _forward(model)(*_values(model), inputs)
+        row.parity = _outputs_parity(outputs, reference_outputs)
     except Exception as error:  # noqa: BLE001 - the row records any failure
         row.status = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     finally:
         restore_weights(built)
     return row
+
+
+def _record_plan(row: CoverageRow, plan, model: keras.Model) -> None:
+    """The plan's batch axis and note, and its parameter bytes, into `row`."""
+    row.batch_axis = plan.batch_axis
+    row.batch_note = " ".join(n for n in plan.notes if n.startswith("The batch"))
+    total = sum(v.total_bytes for v in plan.variables)
+    cut = sum(v.total_bytes for v in plan.variables if any(v.spec))
+    row.parameter_bytes = total
+    row.sharded_share = cut / total if total else 0.0
+    fullest = max(_device_bytes(model).values(), default=0)
+    row.per_device_over_ideal = fullest * DEVICE_COUNT / total if total else 1.0
+
+
+def _outputs_parity(outputs, reference_outputs) -> float:
+    """Largest relative error of the sharded output leaves."""
+    if len(outputs) != len(reference_outputs):
+        raise AssertionError(
+            f"{len(outputs)} outputs sharded, {len(reference_outputs)} on one device"
+        )
+    return max(
+        (relative_error(out, ref) for out, ref in zip(outputs, reference_outputs)),
+        default=0.0,
+    )
 
 
 @dataclasses.dataclass
@@ -253,22 +309,32 @@ class TrainStepParity:
     worst_gradient: str
 
 
+class StepResult(NamedTuple):
+    """What `_train_step`'s program returns."""
+
+    loss: Any
+    gradients: list
+    updated: list
+    outputs: list
+
+
 def _train_step(model: keras.Model, learning_rate: float = 0.1):
-    """A jitted `(trainable, non_trainable, inputs, targets) -> (loss, grads,
-    updated)`: the mean squared error of every float output against its
-    target, and one SGD step."""
+    """A jitted `(trainable, non_trainable, inputs, targets) -> StepResult`:
+    the mean squared error of every float output against its target, its
+    gradients, one SGD step, and the forward output leaves."""
 
     def loss_fn(trainable, non_trainable, inputs, targets):
         outputs, _ = model.stateless_call(trainable, non_trainable, inputs)
         floats = _float_leaves(outputs)
-        return sum(jnp.mean(jnp.square(o - t)) for o, t in zip(floats, targets))
+        loss = sum(jnp.mean(jnp.square(o - t)) for o, t in zip(floats, targets))
+        return loss, jax.tree_util.tree_leaves(outputs)
 
     def step(trainable, non_trainable, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(
+        (loss, outputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             trainable, non_trainable, inputs, targets
         )
         updated = [w - learning_rate * g for w, g in zip(trainable, grads)]
-        return loss, grads, updated
+        return StepResult(loss, grads, updated, outputs)
 
     return jax.jit(step)
 
@@ -282,44 +348,31 @@ def regression_targets(built: BuiltBackbone) -> list[np.ndarray]:
     """Random targets, one per float output. (Not the outputs' mean square:
     most backbones end in a layer norm, whose output's mean square is
     constant, so that loss would leave every earlier gradient zero up to
-    rounding.)"""
+    rounding.) The outputs' shapes come from tracing the forward pass."""
     rng = np.random.default_rng(SEED)
-    return [
-        rng.standard_normal(o.shape).astype(o.dtype)
-        for o in _float_leaves(built.reference_outputs)
-    ]
+    shapes = jax.eval_shape(_forward(built.model), *_values(built.model), built.inputs)
+    return [rng.standard_normal(o.shape).astype(o.dtype) for o in _float_leaves(shapes)]
 
 
-def train_step_parity(built: BuiltBackbone, mesh_name: str) -> TrainStepParity:
-    """One training step planned on `mesh_name` against one device."""
-    model = built.model
-    targets = regression_targets(built)
-    reference = _train_step(model)(*_values(model), built.inputs, targets)
-    reference = jax.tree_util.tree_map(np.asarray, reference)
-    distribution = AutoShardDistribution(device_mesh=MESHES[mesh_name])
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            distribution.prepare(model, built.inputs)
-        with distribution.scope():
-            inputs = _distributed(distribution, built.inputs)
-            sharded = _train_step(model)(*_values(model), inputs, targets)
-    finally:
-        restore_weights(built)
-    (loss, grads, updated), (ref_loss, ref_grads, ref_updated) = sharded, reference
+def train_step_parity(
+    sharded: StepResult, reference: StepResult, model: keras.Model
+) -> TrainStepParity:
+    """How far a sharded training step is from the one-device step."""
+    ref_grads, ref_updated = reference.gradients, reference.updated
     floor = 1e-3 * max((float(np.max(np.abs(g))) for g in ref_grads), default=0.0)
     grad_errors = [
-        relative_error(g, r, scale_floor=floor) for g, r in zip(grads, ref_grads)
+        relative_error(g, r, scale_floor=floor)
+        for g, r in zip(sharded.gradients, ref_grads)
     ]
     weight_scale = max((float(np.max(np.abs(w))) for w in ref_updated), default=0.0)
     worst = int(np.argmax(grad_errors)) if grad_errors else 0
     return TrainStepParity(
-        loss=relative_error(loss, ref_loss),
+        loss=relative_error(sharded.loss, reference.loss),
         gradients=max(grad_errors, default=0.0),
         weights=max(
             (
                 relative_error(w, r, scale_floor=weight_scale)
-                for w, r in zip(updated, ref_updated)
+                for w, r in zip(sharded.updated, ref_updated)
             ),
             default=0.0,
         ),
@@ -340,14 +393,14 @@ def train_step_sensitivity(built: BuiltBackbone, nudge: float = 1e-7) -> float:
     targets = regression_targets(built)
     trainable, non_trainable = _values(model)
     step = _train_step(model)
-    _, reference, _ = step(trainable, non_trainable, built.inputs, targets)
+    reference = step(trainable, non_trainable, built.inputs, targets).gradients
     rng = np.random.default_rng(SEED)
     nudged = [
         np.asarray(w)
         * (1 + nudge * rng.choice([-1.0, 1.0], size=w.shape)).astype(w.dtype)
         for w in trainable
     ]
-    _, moved, _ = step(nudged, non_trainable, built.inputs, targets)
+    moved = step(nudged, non_trainable, built.inputs, targets).gradients
     reference = [np.asarray(g) for g in reference]
     floor = 1e-3 * max((float(np.max(np.abs(g))) for g in reference), default=0.0)
     return max(

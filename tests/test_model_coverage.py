@@ -6,9 +6,10 @@ batch 8) on one device; on a mesh `AutoShardDistribution.prepare` plans it
 and moves its variables, and the forward pass under the plan must match one
 device within 1e-5 relative, with the batch split over the data axis (8
 divides every data axis here). Text backbones also take one training step on
-2x4 (loss, every gradient, every updated weight). The checks are
-`benchmarks.model_coverage`'s, which also writes the BENCHMARKS.md table
-(every class on all three meshes).
+2x4 (loss, every gradient, every updated weight): there one plan and one
+program per side give the forward outputs and the step (`check_on_mesh(...,
+train=True)`). The checks are `benchmarks.model_coverage`'s, which also
+writes the BENCHMARKS.md table (every class on all three meshes).
 
 Meshes: the default run checks every class on 2x4, which has both a data
 axis and a model axis, so it exercises the batch-split rule and the
@@ -122,8 +123,9 @@ NOT_TRACEABLE: dict[str, tuple[str, str]] = {
 @functools.lru_cache(maxsize=1)
 def built_backbone(class_name: str) -> coverage.BuiltBackbone:
     """The class built on one device; kept while its meshes run (the cases are
-    ordered class by class)."""
-    return coverage.build_backbone(CASES[class_name])
+    ordered class by class). Its reference outputs are computed by the first
+    check (a text class's training step computes them in its own program)."""
+    return coverage.build_backbone(CASES[class_name], reference=False)
 
 
 def test_cases_cover_every_exported_backbone_class():
@@ -150,24 +152,25 @@ def _meshes(class_name: str) -> list[str]:
     return ["2x4", *OTHER_RULE_MESHES.get(class_name, ())]
 
 
-TRAIN_STEP = "train step on " + TRAIN_MESH
+TRAIN_STEP = TRAIN_MESH + " and a train step"
 
 
 def checks(text: bool) -> list[tuple[str, str]]:
-    """(class, check) of the text classes (`text=True`: a mesh, and the
-    training step) or of the others (vision, audio, multimodal: the meshes),
-    class by class. The two halves are two test files
+    """(class, check) of the text classes (`text=True`: the meshes, 2x4 with
+    the training step) or of the others (vision, audio, multimodal: the
+    meshes), class by class. The two halves are two test files
     (`tests/test_model_coverage_images.py` has the other), so that the
     suite's two workers share the sweep (a test file runs on one worker)."""
     return [
         (class_name, check)
         for class_name, case in sorted(CASES.items())
         if (case.modality == "text") == text
+        for mesh in _meshes(class_name)
         for check in [
-            *_meshes(class_name),
-            *([TRAIN_STEP] if text else []),
+            TRAIN_STEP
+            if text and mesh == TRAIN_MESH and class_name not in NOT_TRACEABLE
+            else mesh
         ]
-        if not (check == TRAIN_STEP and class_name in NOT_TRACEABLE)
     ]
 
 
@@ -185,15 +188,16 @@ def run_check(class_name: str, check: str) -> None:
         assert_fails_with_a_clear_error(class_name, check)
         return
     built = built_backbone(class_name)
-    if check == TRAIN_STEP:
-        assert_trains_one_step_like_one_device(built)
-    else:
-        assert_forward_matches_on_mesh(built, check)
+    train = check == TRAIN_STEP
+    mesh_name = TRAIN_MESH if train else check
+    row = coverage.check_on_mesh(built, mesh_name, train=train)
+    assert_forward_matches_on_mesh(row)
+    if train:
+        assert_trains_one_step_like_one_device(built, row.train)
 
 
-def assert_forward_matches_on_mesh(built, mesh_name):
-    class_name = built.case.class_name
-    row = coverage.check_on_mesh(built, mesh_name)
+def assert_forward_matches_on_mesh(row: coverage.CoverageRow) -> None:
+    class_name, mesh_name = row.class_name, row.mesh
     assert row.status == "ok", f"{class_name} on {mesh_name}: {row.status}"
     assert row.parity <= TOLERANCE, (
         f"{class_name} on {mesh_name}: relative error {row.parity:.3g}"
@@ -223,8 +227,7 @@ def assert_fails_with_a_clear_error(class_name, mesh_name):
     assert isinstance(error.value.__cause__, jax.errors.ConcretizationTypeError)
 
 
-def assert_trains_one_step_like_one_device(built):
-    parity = coverage.train_step_parity(built, TRAIN_MESH)
+def assert_trains_one_step_like_one_device(built, parity):
     bound = TOLERANCE
     if built.case.class_name in ILL_CONDITIONED_TRAINING:
         sensitivity = coverage.train_step_sensitivity(built)
