@@ -150,7 +150,7 @@ def _compiled_footprint(
 ) -> _Footprint:
     if distribution is None:
         return _single_device_footprint(model)
-    report = inspect_compiled(model, distribution, batch)
+    report = inspect_compiled(model, distribution, batch, with_forward_step=False)
     by_axes: dict[AxesKey, int] = {}
     for op in report.train_step.collectives:
         by_axes[op.mesh_axes] = by_axes.get(op.mesh_axes, 0) + op.operand_bytes
@@ -197,11 +197,12 @@ def _scope(distribution: Distribution | None):
 
 def compiled_report(build, distribution: Distribution, x, y):
     """Build `build()` under `distribution`, compile an MSE/Adam train step on
-    `(x, y)` and return what XLA made of it (`inspect_compiled`)."""
+    `(x, y)` and return what XLA made of it (`inspect_compiled`, the train
+    step only)."""
     with distribution.scope(), names_replayed_after():
         model = build()
         model.compile(optimizer="adam", loss="mse")
-        return inspect_compiled(model, distribution, (x, y))
+        return inspect_compiled(model, distribution, (x, y), with_forward_step=False)
 
 
 def plan_distribution(sharding_plan):
@@ -219,7 +220,7 @@ def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
     """The train step of `build()` compiled as `sharding_plan` says: its
     layout (on the first devices, `plan_distribution`), its rematerialized
     layers, its micro-batches of `(x, y)` with `gradient_accumulation_steps`
-    on Adam (`compile_as_planned`); the `CompiledReport`."""
+    on Adam (`compile_as_planned`); the `CompiledReport` (train step only)."""
     from keras_autoshard.apply.as_planned import compile_as_planned, first_micro_batch
 
     distribution = plan_distribution(sharding_plan)
@@ -231,6 +232,7 @@ def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
         distribution,
         first_micro_batch(sharding_plan, (x, y)),
         compiler_options=compiler_options,
+        with_forward_step=False,
     )
 
 

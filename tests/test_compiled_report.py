@@ -14,14 +14,16 @@ FP32 = 4
 ACTIVATION_BYTES = (BATCH // DATA) * SEQ * HIDDEN * FP32
 
 
-def _report():
+def _report(with_forward_step=True):
     plan = mlp_plan()
     dist = PlanDistribution(plan)
     x, y = zoo.mlp_batch()
     with dist.scope():
         model = zoo.build_mlp_block()
         model.compile(optimizer="adam", loss="mse")
-        report = inspect_compiled(model, dist, (x, y))
+        report = inspect_compiled(
+            model, dist, (x, y), with_forward_step=with_forward_step
+        )
     return plan, report
 
 
@@ -85,6 +87,19 @@ def test_report_serialises_to_json_and_prints_a_table():
     assert "all-reduce" in text
     assert "ring bytes sent/device" in text
     assert by_axes[("model",)]["ring_bytes"] == 2 * (2 * 3 / 4) * ACTIVATION_BYTES
+
+
+def test_a_report_of_the_train_step_alone_is_the_same_train_step():
+    _, both = _report()
+    _, train_only = _report(with_forward_step=False)
+    assert train_only.forward_step is None
+    assert train_only.steps == (train_only.train_step,)
+    assert train_only.train_step.collectives == both.train_step.collectives
+    assert train_only.train_step.memory == both.train_step.memory
+    assert train_only.parameters == both.parameters
+    text = train_only.table()
+    assert "train_step" in text and "forward_step" not in text
+    assert json.loads(train_only.to_json())["forward_step"] is None
 
 
 def test_inspect_compiled_plans_an_auto_shard_distribution_on_the_sample_batch():

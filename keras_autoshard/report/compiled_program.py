@@ -64,7 +64,11 @@ def _read_not_run(compiler_options) -> dict:
 
 
 def inspect_compiled(
-    model, distribution, sample_batch, compiler_options=None
+    model,
+    distribution,
+    sample_batch,
+    compiler_options=None,
+    with_forward_step: bool = True,
 ) -> CompiledReport:
     """Compile one train step and one forward step and report what XLA made.
 
@@ -76,6 +80,9 @@ def inspect_compiled(
             `MEMORY_SCHEDULE_ON_CPU`, to read on simulated CPU devices the
             memory a step takes compiled as an accelerator compiles it),
             over `READ_NOT_RUN` (the programs are read, not run).
+        with_forward_step: Also compile the forward (predict) step; False
+            compiles the train step only (the report's `forward_step` is
+            then None), for a caller that reads the train step alone.
 
     Returns:
         A `CompiledReport`.
@@ -106,7 +113,11 @@ def inspect_compiled(
         train = step.lower(*arguments).compile(
             compiler_options=_read_not_run(compiler_options)
         )
-        forward = _compile_forward_step(model, distributed[0], compiler_options)
+        forward = (
+            _compile_forward_step(model, distributed[0], compiler_options)
+            if with_forward_step
+            else None
+        )
     device_ids = [d.id for d in _mesh_devices(distribution)]
     mesh = MeshSpec(
         tuple(distribution.device_mesh.shape), distribution.device_mesh.axis_names
@@ -120,7 +131,9 @@ def inspect_compiled(
             _variable_shards(v, device_ids) for v in model.optimizer.variables
         ),
         train_step=step_report("train_step", train, mesh),
-        forward_step=step_report("forward_step", forward, mesh),
+        forward_step=None
+        if forward is None
+        else step_report("forward_step", forward, mesh),
     )
 
 

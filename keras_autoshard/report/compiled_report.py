@@ -109,7 +109,9 @@ class CompiledReport:
         parameters: Shard sizes of every model variable.
         optimizer_state: Shard sizes of every optimizer variable.
         train_step: The compiled training step.
-        forward_step: The compiled forward (predict) step.
+        forward_step: The compiled forward (predict) step, or None where
+            only the train step was compiled
+            (`inspect_compiled(..., with_forward_step=False)`).
 
     Example:
 
@@ -125,7 +127,7 @@ class CompiledReport:
     parameters: tuple[VariableShards, ...]
     optimizer_state: tuple[VariableShards, ...]
     train_step: CompiledStep
-    forward_step: CompiledStep
+    forward_step: CompiledStep | None
 
     @property
     def parameter_bytes_per_device(self) -> int:
@@ -136,6 +138,11 @@ class CompiledReport:
     def optimizer_bytes_per_device(self) -> int:
         """Largest per-device total of optimizer variable bytes."""
         return _max_device_total(self.optimizer_state)
+
+    @property
+    def steps(self) -> tuple[CompiledStep, ...]:
+        """The compiled steps: the train step, and the forward step if any."""
+        return tuple(s for s in (self.train_step, self.forward_step) if s is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data, with per-kind collective summaries."""
@@ -153,7 +160,9 @@ class CompiledReport:
             "parameters": shards(self.parameters),
             "optimizer_state": shards(self.optimizer_state),
             "train_step": self.train_step.to_dict(),
-            "forward_step": self.forward_step.to_dict(),
+            "forward_step": None
+            if self.forward_step is None
+            else self.forward_step.to_dict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -169,7 +178,7 @@ class CompiledReport:
             f"{format_bytes(self.parameter_bytes_per_device)}/device, optimizer "
             f"state {format_bytes(self.optimizer_bytes_per_device)}/device"
         )
-        for step in (self.train_step, self.forward_step):
+        for step in self.steps:
             console.print(collective_table(step))
             console.print(memory_line(step))
         return buffer.getvalue()

@@ -114,7 +114,8 @@ def check_estimates(
 
     Args:
         estimates: Output of `planner_estimates` (unknown keys are skipped).
-        report: The compiled-program report of the planned model.
+        report: The compiled-program report of the planned model (its
+            forward step, where it has one, checks the forward peak).
         tolerance: Relative difference above which a row is flagged.
 
     Returns:
@@ -129,16 +130,13 @@ def check_estimates(
     print([c.quantity for c in checks if c.flagged])
     ```
     """
-    return check_train_step(
-        estimates,
-        report.train_step,
-        {
-            "parameters": report.parameter_bytes_per_device,
-            "optimizer state": report.optimizer_bytes_per_device,
-            FORWARD_PEAK: compiled_peak_bytes(report.forward_step.memory),
-        },
-        tolerance,
-    )
+    compiled = {
+        "parameters": report.parameter_bytes_per_device,
+        "optimizer state": report.optimizer_bytes_per_device,
+    }
+    if report.forward_step is not None:
+        compiled[FORWARD_PEAK] = compiled_peak_bytes(report.forward_step.memory)
+    return check_train_step(estimates, report.train_step, compiled, tolerance)
 
 
 def check_train_step(
