@@ -1,5 +1,7 @@
 """`write_section` rewrites one named section of BENCHMARKS.md and keeps the rest."""
 
+import os
+
 import pytest
 
 from benchmarks.markdown import (
@@ -137,3 +139,21 @@ def test_gpu_memory_truth_names_rows_outside_the_bound_and_planner_above_megatro
         "| llama | 2x4 | no | 100 B | 500 B | 600 B | 100 B | 400 B | 500 B |" in text
     )
     assert "took 2 minutes" in text and "python -m x" in text
+
+
+def test_the_device_step_section_is_what_its_committed_results_render():
+    # The GPU figures regenerate here, without a GPU, from the JSON the
+    # device run wrote (committed beside the script).
+    import json
+
+    from benchmarks import device_step, device_step_report
+    from benchmarks.markdown import read_section
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, device_step.RESULTS)) as file:
+        result = json.load(file)
+    with open(os.path.join(root, "BENCHMARKS.md")) as file:
+        published = read_section(file.read(), device_step.SECTION_NAME)
+    assert published.strip() == device_step_report.render(result).strip()
+    assert result["gpu"]["kind"] == "NVIDIA H200"
+    assert device_step.profile_for(result["gpu"]["kind"]) == result["profile"]

@@ -79,6 +79,24 @@ def test_without_the_cuda_plugin_the_error_names_the_extra(monkeypatch):
         gpu_targets.gpu_topology("h100-80gb", 8)
 
 
+def test_cuda_13s_plugin_is_a_gpu_compiler_too(monkeypatch):
+    # A GPU machine's JAX may carry CUDA 13's plugin and not CUDA 12's (seen
+    # on an H200 with jax 0.11.2): compiling for a target must not ask for
+    # the extra there.
+    real_find_spec = gpu_targets.importlib.util.find_spec
+    found = real_find_spec("keras_autoshard")
+
+    def find_spec(name):
+        if name == "jax_plugins.xla_cuda12":
+            return None
+        if name == "jax_plugins.xla_cuda13":
+            return found
+        return real_find_spec(name)
+
+    monkeypatch.setattr(gpu_targets.importlib.util, "find_spec", find_spec)
+    gpu_targets.require_gpu_compiler()
+
+
 def test_train_step_compiles_for_8_h100s_with_no_weight_allocated(compiled):
     result, held_bytes = compiled
     # Only the optimizer's step counter, its learning rate and the loss

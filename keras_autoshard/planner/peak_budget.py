@@ -287,8 +287,8 @@ def _transient_candidates(
     # sharding, so the largest of each class set bounds all of that set.
     largest: dict[frozenset, tuple[float, int]] = {}
     for tensor in graph.tensors:
-        if tensor.kind != "activation" or tensor.id in outputs:
-            continue
+        if tensor.kind != "activation" or tensor.id in outputs or not tensor.nbytes:
+            continue  # an empty tensor (a kernel's unused operand) holds nothing
         carries_batch = bool(batch_classes.intersection(tensor.dim_classes))
         if train:
             factor = (1.0 if accelerator else 3.0) * part if carries_batch else 1.0

@@ -8,6 +8,7 @@ from keras_autoshard.graph.jaxpr import (  # noqa: F401  (registers the rules)
     contractions,
     control_flow,
     elementwise,
+    fused_attention,
     indexing,
     reductions,
     views,

@@ -145,6 +145,8 @@ def equation_residuals(
     """
     if primitive.name in STRUCTURAL_PRIMITIVES or not any(grads):
         return ()
+    if primitive.name in _FUSED_ATTENTION:
+        return _fused_attention_residuals(params, in_avals, grads)
     try:
         key = (
             primitive,
@@ -162,6 +164,32 @@ def equation_residuals(
         found = _queried(primitive, params, tuple(in_avals), key[3])
         _CACHE[key] = found
     return _known(primitive.name, found)
+
+
+# cuDNN's fused attention forward (`graph/jaxpr/fused_attention.py`) has no
+# derivative rule of its own (its custom VJP's forward rule decides), so
+# JAX cannot be asked about it alone; what that rule saves is stated here.
+_FUSED_ATTENTION = frozenset(
+    {"dot_product_attention_fwd_wrapper", "dot_product_attention_fwd"}
+)
+
+
+def _fused_attention_residuals(
+    params: dict[str, Any], in_avals: Sequence[Any], grads: Sequence[bool]
+) -> tuple[Residual, ...]:
+    """What `_dot_product_attention_fwd_rule` (jax/_src/cudnn) saves: the
+    query, key, value and bias, the output, and the softmax statistics
+    (float32, one per batch row, head and query position)."""
+    kept = [
+        Residual("in", index, _nbytes(in_avals[index]))
+        for index in range(4)
+        if index < len(in_avals) and _nbytes(in_avals[index]) > 0
+    ]
+    query = in_avals[0]
+    kept.append(Residual("out", 0, _nbytes(query)))
+    rows = int(np.prod(query.shape[:-1], dtype=np.int64))
+    kept.append(Residual("other", -1, rows * 4, derived=True))
+    return tuple(kept)
 
 
 # Residuals, and why JAX could not tell them (None when it could).

@@ -28,6 +28,9 @@ from keras_autoshard.errors import GpuCompilerMissingError, PlanError
 from keras_autoshard.plans.hardware import PROFILES, HardwareProfile, hardware_profile
 
 GPU_COMPILE_EXTRA = "keras-autoshard[gpu-compile]"
+# JAX's CUDA plugins: the `gpu-compile` extra installs CUDA 12's; a GPU
+# machine's JAX may carry CUDA 13's. Either compiles for these targets.
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
 def target_description(profile: str | HardwareProfile) -> str:
@@ -94,7 +97,7 @@ def require_gpu_compiler() -> None:
     Raises:
         GpuCompilerMissingError: naming the extra that installs it.
     """
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not any(_installed(name) for name in CUDA_PLUGINS):
         raise GpuCompilerMissingError(
             "Compiling for a GPU target needs XLA:GPU, JAX's CUDA plugin, which "
             f'is not installed: pip install "{GPU_COMPILE_EXTRA}" (the plugin '
@@ -126,3 +129,10 @@ def gpu_topology(profile: str | HardwareProfile, device_count: int):
     return topologies.get_topology_desc(
         platform="cuda", target_config=text, topology=f"1x1x{device_count}"
     )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package (`jax_plugins`) is not there
+        return False
