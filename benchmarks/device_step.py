@@ -4,12 +4,14 @@ Run on a machine with one NVIDIA GPU (JAX with CUDA, Keras, KerasHub):
 
 ```
 python -m benchmarks.device_step --json benchmarks/device_results/nvidia_h200.json
+python -m benchmarks.device_step --batch 32 \
+    --json benchmarks/device_results/nvidia_h200_batch32.json
 ```
 
 then, anywhere, put the figures into `BENCHMARKS.md`:
 
 ```
-python -m benchmarks.device_step --render benchmarks/device_results/nvidia_h200.json \
+python -m benchmarks.device_step --render benchmarks/device_results/nvidia_h200*.json \
     --output BENCHMARKS.md
 ```
 
@@ -73,10 +75,18 @@ WARMUP_STEPS = 3
 TIMED_STEPS = 10
 # The profile of a GPU, by words in its `device_kind`.
 PROFILE_BY_KIND = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"))
-RESULTS = "benchmarks/device_results/nvidia_h200.json"
-COMMAND = f"python -m benchmarks.device_step --json {RESULTS}"
+# The committed runs: (JSON, extra arguments of the measuring command).
+RUNS = (
+    ("benchmarks/device_results/nvidia_h200.json", ""),
+    ("benchmarks/device_results/nvidia_h200_batch32.json", " --batch 32"),
+)
+RESULTS = tuple(path for path, _ in RUNS)
+MEASURE_COMMANDS = tuple(
+    f"python -m benchmarks.device_step --json {path}{extra}" for path, extra in RUNS
+)
 RENDER_COMMAND = (
-    f"python -m benchmarks.device_step --render {RESULTS} --output BENCHMARKS.md"
+    f"python -m benchmarks.device_step --render {' '.join(RESULTS)} "
+    "--output BENCHMARKS.md"
 )
 
 
@@ -409,7 +419,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.device_step", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--json", help="measure here (a GPU), write the figures")
-    parser.add_argument("--render", help="a JSON `--json` wrote")
+    parser.add_argument("--render", nargs="+", help="JSON files `--json` wrote")
     parser.add_argument("--output", help="Markdown file whose section to rewrite")
     parser.add_argument("--hardware", help="profile name (default: the device's)")
     parser.add_argument("--layers", type=int, help="fewer layers (a quick check)")
@@ -451,15 +461,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.sequence,
             run=not args.no_run,
         )
+        results = [result]
     elif args.render:
-        with open(args.render) as file:
-            result = json.load(file)
+        results = []
+        for path in args.render:
+            with open(path) as file:
+                results.append(json.load(file))
     else:
-        raise SystemExit("Pass --json PATH (measure) or --render PATH.")
-    if "plan" in result and "error" not in result["plan"]:
+        raise SystemExit("Pass --json PATH (measure) or --render PATH ...")
+    if all("estimate" in r.get("plan", r.get("plan_on_host_cpu", {})) for r in results):
         from benchmarks.device_step_report import render
 
-        section = render(result)
+        section = render(results)
         print(section)
         if args.output:
             from benchmarks.markdown import write_section
