@@ -352,8 +352,21 @@ def main():
         tensor_parallel_run(MeshSpec(shape, ("batch", "model")), out_dir)
         return
     ensure_process_group()
-    rank = torch.distributed.get_rank()
     mesh = MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
+    if mode == "kill":
+        parity_case(name, mesh, out_dir, kill=True)
+        return
+    # One launch checks every model named (comma-separated) on this mesh:
+    # each writes <name>_rank<rank>.json and <name>_plan.json.
+    for one in name.split(","):
+        parity_case(one, mesh, out_dir)
+    torch.distributed.destroy_process_group()
+
+
+def parity_case(name, mesh, out_dir, kill=False):
+    """Plan `name` for the torch ranks, then compare its forward pass,
+    gradients and 5 Adam steps with one process; write this rank's figures."""
+    rank = torch.distributed.get_rank()
     x, y = batch(name)
     reference = build(name)
     model = build(name)
@@ -367,9 +380,9 @@ def main():
     local = keras.tree.map_structure(lambda a: a[rows], x)
     local_y = y[rows]
     if rank == 0:
-        with open(os.path.join(out_dir, "plan.json"), "w") as f:
+        with open(os.path.join(out_dir, f"{name}_plan.json"), "w") as f:
             f.write(plan.to_json())
-    if mode == "kill":
+    if kill:
         train_until_killed(sharded, local, local_y, rank, out_dir)
         return
 
@@ -414,9 +427,8 @@ def main():
         problems.append(
             f"rank holds {held.parameters} parameter bytes, expected {expected_params}"
         )
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
         json.dump({"ok": not problems, "problems": problems, **figures}, f)
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
