@@ -4,6 +4,8 @@ its shards only, filled slice by slice from a weights file or from the
 initializers (the same values on every rank). Outputs match one JAX process
 holding the same weights."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -15,8 +17,32 @@ from tests.torch_launch import rank_results, torchrun  # noqa: E402
 WORKER = "torch_build_worker.py"
 
 
-def _run(args, ranks, out_dir):
-    done = torchrun(ranks, WORKER, args)
+# The jobs on two ranks (1x2) run in one launch, each in its own folder.
+ONE_BY_TWO = ("weights", "preset", "init")
+
+
+@pytest.fixture(scope="module")
+def one_by_two(tmp_path_factory):
+    """`{job: (folder, the model the job's outputs are compared with)}`
+    after one torchrun launch of the 1x2 jobs, and that launch."""
+    folders = {job: tmp_path_factory.mktemp(job) for job in ONE_BY_TWO}
+    weights_model = worker.build("gpt2", seed=7)
+    weights_file = str(folders["weights"] / "model.weights.h5")
+    weights_model.save_weights(weights_file)
+    preset_model = worker.build("gpt2", seed=11)
+    preset = folders["preset"] / "preset"
+    preset_model.save_to_preset(str(preset))
+    jobs = [
+        ["weights", "gpt2", "1x2", str(folders["weights"]), weights_file],
+        ["preset", "1x2", str(folders["preset"]), str(preset)],
+        ["init", "1x2", str(folders["init"])],
+    ]
+    done = torchrun(2, WORKER, ["jobs", json.dumps(jobs)])
+    models = {"weights": weights_model, "preset": preset_model, "init": None}
+    return done, {job: (folders[job], models[job]) for job in ONE_BY_TWO}
+
+
+def _results(done, out_dir, ranks):
     results = rank_results(out_dir, ranks)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank, result in results.items():
@@ -34,37 +60,49 @@ def _close_to_one_process(name, model, out_dir):
     assert worker.relative(predictions, expected) <= 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, mesh_text", [("gpt2", "1x2"), ("mlp", "2x2")])
-def test_a_builder_and_a_weights_file_give_each_rank_only_its_shards(
-    name, mesh_text, tmp_path
-):
-    model = worker.build(name, seed=7)
-    path = str(tmp_path / "model.weights.h5")
-    model.save_weights(path)
-    ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
-    results = _run(["weights", name, mesh_text, str(tmp_path), path], ranks, tmp_path)
-    _close_to_one_process(name, model, tmp_path)
+def _each_rank_holds_only_its_shards(results):
     for result in results.values():
         # The model axis cuts the large kernels: no rank holds the model.
         assert result["parameter_bytes"] < 0.75 * result["model_bytes"], result
 
 
 @pytest.mark.slow
-def test_a_preset_directory_builds_sharded_and_loads_its_weights(tmp_path):
-    backbone = worker.build("gpt2", seed=11)
-    directory = tmp_path / "preset"
-    backbone.save_to_preset(str(directory))
-    results = _run(["preset", "1x2", str(tmp_path), str(directory)], 2, tmp_path)
-    _close_to_one_process("gpt2", backbone, tmp_path)
-    for result in results.values():
-        assert result["parameter_bytes"] < 0.75 * result["model_bytes"], result
+def test_a_builder_and_a_weights_file_give_each_rank_only_its_shards(one_by_two):
+    done, jobs = one_by_two
+    out_dir, model = jobs["weights"]
+    results = _results(done, out_dir, 2)
+    _close_to_one_process("gpt2", model, out_dir)
+    _each_rank_holds_only_its_shards(results)
 
 
 @pytest.mark.slow
-def test_initializers_give_every_rank_the_same_values_without_a_full_model(tmp_path):
-    _run(["init", "1x2", str(tmp_path)], 2, tmp_path)
-    state = np.load(tmp_path / "init_state.npz")
+def test_a_builder_and_a_weights_file_on_2x2(tmp_path):
+    model = worker.build("mlp", seed=7)
+    path = str(tmp_path / "model.weights.h5")
+    model.save_weights(path)
+    done = torchrun(4, WORKER, ["weights", "mlp", "2x2", str(tmp_path), path])
+    results = _results(done, tmp_path, 4)
+    _close_to_one_process("mlp", model, tmp_path)
+    _each_rank_holds_only_its_shards(results)
+
+
+@pytest.mark.slow
+def test_a_preset_directory_builds_sharded_and_loads_its_weights(one_by_two):
+    done, jobs = one_by_two
+    out_dir, backbone = jobs["preset"]
+    results = _results(done, out_dir, 2)
+    _close_to_one_process("gpt2", backbone, out_dir)
+    _each_rank_holds_only_its_shards(results)
+
+
+@pytest.mark.slow
+def test_initializers_give_every_rank_the_same_values_without_a_full_model(
+    one_by_two,
+):
+    done, jobs = one_by_two
+    out_dir, _ = jobs["init"]
+    _results(done, out_dir, 2)
+    state = np.load(out_dir / "init_state.npz")
     for path in state.files:
         value = state[path]
         if path.endswith("bias"):

@@ -146,8 +146,9 @@ def run_init(mesh_text, out_dir) -> dict:
     return {"ok": not problems, "problems": problems, **sizes(tp)}
 
 
-if __name__ == "__main__":
-    mode, *args = sys.argv[1:]
+def run_job(mode: str, args: list[str]) -> None:
+    """One job (`weights`, `preset` or `init`): its figures into its
+    folder's `rank<r>.json`."""
     out_dir = args[2] if mode == "weights" else args[1]
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -160,3 +161,11 @@ if __name__ == "__main__":
     except Exception:
         result = {"ok": False, "problems": [traceback.format_exc()]}
     finish_rank(out_dir, rank, result)
+
+
+if __name__ == "__main__":
+    # `jobs '<JSON list of [mode, *args]>'`: several jobs in one launch (the
+    # ranks' imports and process group paid once), or one job's arguments.
+    mode, *args = sys.argv[1:]
+    for job in json.loads(args[0]) if mode == "jobs" else [[mode, *args]]:
+        run_job(job[0], job[1:])
