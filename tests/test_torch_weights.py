@@ -3,6 +3,7 @@ torch wrapper on torchrun ranks and one JAX process, both ways, bit for bit;
 each rank reads only its shards' blocks; another model's file is a clear
 error on every rank."""
 
+import json
 import os
 
 import keras
@@ -24,26 +25,44 @@ def _global_inputs(name):
     return x
 
 
+def _prepare(name, folder) -> list[str]:
+    """Write the JAX model's files and another model's into `folder`; the
+    worker's arguments for `name`."""
+    jax_model = worker.build(name, seed=7)
+    jax_file = str(folder / "jax.weights.h5")
+    jax_model.save_weights(jax_file)
+    ka.save_safetensors(jax_model, str(folder / "jax.safetensors"))
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
+    bad_file = str(folder / "other.weights.h5")
+    other.save_weights(bad_file)
+    return [jax_file, bad_file]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """`{(name, mesh): (torchrun's result, folder)}`: one launch per mesh,
+    every model of that mesh in it, each in its own folder."""
+    found = {}
+    for mesh_text in dict.fromkeys(mesh for _, mesh in CASES):
+        ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
+        jobs, folders = [], {}
+        for name in (n for n, mesh in CASES if mesh == mesh_text):
+            folder = tmp_path_factory.mktemp(f"{name}_{mesh_text}")
+            jobs.append([name, mesh_text, str(folder), *_prepare(name, folder)])
+            folders[name] = folder
+        done = torchrun(ranks, "torch_weights_worker.py", ["jobs", json.dumps(jobs)])
+        for name, folder in folders.items():
+            found[(name, mesh_text)] = (done, folder)
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mesh_text", CASES)
 def test_weights_files_move_between_torch_ranks_and_jax_bit_exactly(
-    name, mesh_text, tmp_path
+    name, mesh_text, launches
 ):
     ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
-    jax_model = worker.build(name, seed=7)
-    jax_file = str(tmp_path / "jax.weights.h5")
-    jax_model.save_weights(jax_file)
-    ka.save_safetensors(jax_model, str(tmp_path / "jax.safetensors"))
-
-    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="dense")])
-    bad_file = str(tmp_path / "other.weights.h5")
-    other.save_weights(bad_file)
-
-    done = torchrun(
-        ranks,
-        "torch_weights_worker.py",
-        [name, mesh_text, str(tmp_path), jax_file, bad_file],
-    )
+    done, tmp_path = launches[(name, mesh_text)]
     results = rank_results(tmp_path, ranks)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank, result in results.items():

@@ -21,6 +21,7 @@ Usage: torchrun --nproc-per-node N tests/torch_weights_worker.py MODEL DxM OUT J
     BAD_FILE
 """
 
+import json
 import os
 import sys
 import traceback
@@ -139,11 +140,21 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -
     }
 
 
-if __name__ == "__main__":
-    name, mesh_text, out_dir, jax_file, bad_file = sys.argv[1:6]
+def run_job(name, mesh_text, out_dir, jax_file, bad_file) -> None:
+    """One model's checks; its figures into its folder's `rank<r>.json`."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = run(name, mesh_text, out_dir, jax_file, bad_file)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"ok": False, "problems": [traceback.format_exc()]}
     finish_rank(out_dir, rank, result)
+
+
+if __name__ == "__main__":
+    # `jobs '<JSON list of [name, mesh, out_dir, jax_file, bad_file]>'`:
+    # several models in one launch (imports and process group paid once).
+    if sys.argv[1] == "jobs":
+        for job in json.loads(sys.argv[2]):
+            run_job(*job)
+    else:
+        run_job(*sys.argv[1:6])
