@@ -18,14 +18,19 @@ from tests.torch_launch import rank_results, torchrun  # noqa: E402
 WORKER = "torch_checkpoint_worker.py"
 
 
-def _run(mode, mesh_text, out_dir):
-    ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
-    done = torchrun(ranks, WORKER, [mode, mesh_text, str(out_dir)])
-    results = rank_results(out_dir, ranks)
+def _check(done, result_dir, ranks):
+    """torchrun exited 0 and every rank reported no problem."""
+    results = rank_results(result_dir, ranks)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank, result in results.items():
         assert result is not None, f"rank {rank}: no result\n{done.stderr[-3000:]}"
         assert result["ok"], result["problems"]
+
+
+def _run(mode, mesh_text, out_dir):
+    ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
+    done = torchrun(ranks, WORKER, [mode, mesh_text, str(out_dir)])
+    _check(done, out_dir, ranks)
     for path in out_dir.glob("rank*.json"):
         path.unlink()
 
@@ -39,13 +44,40 @@ def saved_2x2(tmp_path_factory):
     return out_dir
 
 
+ONE_BY_TWO = ("restore", "callback", "damaged")
+
+
+@pytest.fixture(scope="module")
+def one_by_two(saved_2x2, tmp_path_factory):
+    """The 1x2 jobs in one torchrun launch: a restore of the 2x2 save, the
+    callback's saves (in a folder of their own) and restores of damaged
+    copies of the 2x2 save (one file missing, one truncated). Returns
+    `(torchrun's result, {job: its results folder}, the callback's folder)`."""
+    step = saved_2x2 / "ckpt" / "3"
+    shutil.copytree(step, saved_2x2 / "missing" / "3")
+    shard_files = sorted((saved_2x2 / "missing" / "3").glob("*.distcp"))
+    assert len(shard_files) == 4  # one per rank
+    shard_files[1].unlink()
+    shutil.copytree(step, saved_2x2 / "truncated" / "3")
+    victim = sorted((saved_2x2 / "truncated" / "3").glob("*.distcp"))[2]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    callback_dir = tmp_path_factory.mktemp("callback")
+    results = {job: tmp_path_factory.mktemp(f"{job}_results") for job in ONE_BY_TWO}
+    data = {"restore": saved_2x2, "callback": callback_dir, "damaged": saved_2x2}
+    jobs = [[job, "1x2", str(data[job]), str(results[job])] for job in ONE_BY_TWO]
+    done = torchrun(2, WORKER, ["jobs", json.dumps(jobs)])
+    return done, results, callback_dir
+
+
 @pytest.mark.slow
 def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
-    saved_2x2,
+    saved_2x2, one_by_two
 ):
+    done, results, _ = one_by_two
+    _check(done, results["restore"], 2)
+    _run("restore", "1x1", saved_2x2)
     expected = json.loads((saved_2x2 / "losses.json").read_text())
     for mesh_text in ("1x2", "1x1"):
-        _run("restore", mesh_text, saved_2x2)
         losses = json.loads(
             (saved_2x2 / f"restored_losses_{mesh_text}.json").read_text()
         )
@@ -58,22 +90,19 @@ def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
 
 
 @pytest.mark.slow
-def test_the_callback_saves_every_n_batches_and_keeps_the_latest(tmp_path):
-    _run("callback", "1x2", tmp_path)
-    assert sorted(p.name for p in (tmp_path / "callback").iterdir()) == ["4", "6"]
+def test_the_callback_saves_every_n_batches_and_keeps_the_latest(one_by_two):
+    done, results, callback_dir = one_by_two
+    _check(done, results["callback"], 2)
+    assert sorted(p.name for p in (callback_dir / "callback").iterdir()) == [
+        "4",
+        "6",
+    ]
 
 
 @pytest.mark.slow
-def test_missing_or_truncated_shard_files_are_named_on_every_rank(saved_2x2):
-    step = saved_2x2 / "ckpt" / "3"
-    shutil.copytree(step, saved_2x2 / "missing" / "3")
-    shard_files = sorted((saved_2x2 / "missing" / "3").glob("*.distcp"))
-    assert len(shard_files) == 4  # one per rank
-    shard_files[1].unlink()
-    shutil.copytree(step, saved_2x2 / "truncated" / "3")
-    victim = sorted((saved_2x2 / "truncated" / "3").glob("*.distcp"))[2]
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    _run("damaged", "1x2", saved_2x2)
+def test_missing_or_truncated_shard_files_are_named_on_every_rank(one_by_two):
+    done, results, _ = one_by_two
+    _check(done, results["damaged"], 2)
 
 
 @pytest.mark.slow

@@ -219,11 +219,22 @@ def _kill_on_first_shard(partial: str) -> None:
         time.sleep(0.0005)
 
 
-if __name__ == "__main__":
-    mode, mesh_text, out_dir = sys.argv[1:4]
+def run_job(mode: str, mesh_text: str, out_dir: str, result_dir: str) -> None:
+    """One job on `out_dir`'s checkpoints; its figures into `result_dir`."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         result = run(mode, mesh_text, out_dir)
     except Exception:  # noqa: BLE001 - reported to the test
         result = {"ok": False, "problems": [traceback.format_exc()]}
-    finish_rank(out_dir, rank, result)
+    finish_rank(result_dir, rank, result)
+
+
+if __name__ == "__main__":
+    # `jobs '<JSON list of [mode, mesh, out_dir, result_dir]>'`: several jobs
+    # of one world size in one launch (imports and process group paid once).
+    if sys.argv[1] == "jobs":
+        for job in json.loads(sys.argv[2]):
+            run_job(*job)
+    else:
+        mode, mesh_text, out_dir = sys.argv[1:4]
+        run_job(mode, mesh_text, out_dir, out_dir)
