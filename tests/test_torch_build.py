@@ -66,13 +66,19 @@ def _each_rank_holds_only_its_shards(results):
         assert result["parameter_bytes"] < 0.75 * result["model_bytes"], result
 
 
-@pytest.mark.slow
-def test_a_builder_and_a_weights_file_give_each_rank_only_its_shards(one_by_two):
+def _gpt2_job_matches_one_process(one_by_two, job):
+    """A 1x2 job's ranks reported no problem, predict as one process with
+    the job's weights, and hold only their shards."""
     done, jobs = one_by_two
-    out_dir, model = jobs["weights"]
+    out_dir, model = jobs[job]
     results = _results(done, out_dir, 2)
     _close_to_one_process("gpt2", model, out_dir)
     _each_rank_holds_only_its_shards(results)
+
+
+@pytest.mark.slow
+def test_a_builder_and_a_weights_file_give_each_rank_only_its_shards(one_by_two):
+    _gpt2_job_matches_one_process(one_by_two, "weights")
 
 
 @pytest.mark.slow
@@ -88,11 +94,7 @@ def test_a_builder_and_a_weights_file_on_2x2(tmp_path):
 
 @pytest.mark.slow
 def test_a_preset_directory_builds_sharded_and_loads_its_weights(one_by_two):
-    done, jobs = one_by_two
-    out_dir, backbone = jobs["preset"]
-    results = _results(done, out_dir, 2)
-    _close_to_one_process("gpt2", backbone, out_dir)
-    _each_rank_holds_only_its_shards(results)
+    _gpt2_job_matches_one_process(one_by_two, "preset")
 
 
 @pytest.mark.slow
