@@ -34,6 +34,7 @@ from keras_autoshard.plans.sharding_plan import (
     ShardingPlan,
     unique_variables,
 )
+from keras_autoshard.runtime.devices import flags_with_device_count
 
 PLANNING_TIMEOUT_S = 600
 
@@ -90,7 +91,9 @@ def run_plan_worker(request: dict[str, Any]) -> dict[str, Any]:
     """Run the planner in a JAX subprocess; its answer or an error message."""
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     device_count = math.prod(request["mesh"]["shape"])
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={device_count}"
+    # The caller's other XLA flags (a dump folder, compiler options) apply
+    # to the worker too; only the device count is the worker's own.
+    env["XLA_FLAGS"] = flags_with_device_count(env.get("XLA_FLAGS", ""), device_count)
     env["JAX_PLATFORMS"] = "cpu"
     try:
         completed = subprocess.run(

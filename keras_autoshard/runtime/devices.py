@@ -52,14 +52,33 @@ def simulate_devices(count: int = 8) -> int:
                 "environment."
             )
         return running
-    flags = os.environ.get("XLA_FLAGS", "")
-    existing = _FLAG_PATTERN.search(flags)
-    if existing:
-        flags = _FLAG_PATTERN.sub(f"{_DEVICE_COUNT_FLAG}={count}", flags)
-    else:
-        flags = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
-    os.environ["XLA_FLAGS"] = flags
+    os.environ["XLA_FLAGS"] = flags_with_device_count(
+        os.environ.get("XLA_FLAGS", ""), count
+    )
     return count
+
+
+def flags_with_device_count(flags: str, count: int) -> str:
+    """`flags` (an `XLA_FLAGS` value) asking for `count` host devices: its
+    device count replaced, or added; every other flag kept.
+
+    Args:
+        flags: An `XLA_FLAGS` value, possibly empty.
+        count: The host device count to ask for.
+
+    Returns:
+        The new `XLA_FLAGS` value.
+
+    Example:
+
+    ```python
+    flags_with_device_count("--xla_dump_to=/tmp/d", 4)
+    # '--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4'
+    ```
+    """
+    if _FLAG_PATTERN.search(flags):
+        return _FLAG_PATTERN.sub(f"{_DEVICE_COUNT_FLAG}={count}", flags)
+    return f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
 
 
 def _running_jax_device_count() -> int | None:

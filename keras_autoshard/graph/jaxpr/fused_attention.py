@@ -68,7 +68,7 @@ def _tie_operands(e: Eqn, out: int, stat: int | None) -> None:
             e.builder.add_slice_edge(
                 (query, heads), (tensor, heads), "grouped heads of fused attention"
             )
-        e.unify(key, seq, tensor, seq)
+    e.unify(key, seq, value, seq)
     if _masks_by_position(e):
         reason = "query sequence of a causal or windowed fused attention"
         e.mark(query, seq, reason)
