@@ -1,4 +1,5 @@
-"""Test set-up: JAX backend and 8 simulated host devices, before JAX starts;
+"""Test set-up: JAX backend and 8 simulated host devices, before JAX starts,
+compiling at the suite's code-generation level (`tests/xla_flags.py`);
 compiled programs shared within the run; a deprecation this package's code
 triggers fails the test.
 
@@ -22,6 +23,10 @@ import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from tests.xla_flags import with_suite_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_suite_flags(os.environ.get("XLA_FLAGS", ""))
 
 from keras_autoshard.runtime.devices import simulate_devices  # noqa: E402
 

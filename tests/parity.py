@@ -130,14 +130,102 @@ def _reference_run(build, reference, x, y, steps, accumulation_steps) -> dict:
     return _REFERENCE_RUNS[key]
 
 
+# How many nudged one-device runs `adam_steps_sensitivity` makes, and how far
+# (relative) each nudges every trainable weight: the order of one rounding.
+SENSITIVITY_RUNS = 3
+NUDGE = 1e-7
+
+
+def _trained_from(build, initial, x, y, steps, accumulation_steps):
+    """(losses, trained weights) of a fresh one-device model of `build` that
+    starts from `initial` (one array per variable) and takes `steps` steps."""
+    with names_replayed_after():
+        model = build()
+    for variable, value in zip(model.variables, initial):
+        variable.assign(value)
+    model.compile(optimizer=_adam(accumulation_steps), loss="mse")
+    losses = [model.train_on_batch(x, y) for _ in range(steps)]
+    return losses, [np.asarray(v.value) for v in model.trainable_variables]
+
+
+def _steps_error(losses, weights, expected) -> float:
+    """How far (relative) `losses` and trained `weights` are from the
+    reference run's, as `check_parity` judges them."""
+    weight_scale = max(float(np.max(np.abs(w))) for w in expected["weights"])
+    return max(
+        *(relative_error(a, b) for a, b in zip(losses, expected["losses"])),
+        *(
+            relative_error(w, r, scale_floor=weight_scale)
+            for w, r in zip(weights, expected["weights"])
+        ),
+    )
+
+
+def adam_steps_sensitivity(build, x, y, steps, accumulation_steps=1) -> float:
+    """How far the one-device losses and weights after `steps` Adam steps move
+    when every trainable float weight moves by ±`NUDGE` (relative, each sign
+    at random, seeded), the largest of `SENSITIVITY_RUNS` runs.
+
+    A sharded run differs from one device by the order of its sums, which is
+    a change of this size at every step. A model whose training moves by
+    more than the tolerance under this nudge on one device alone (a ReLU
+    input within rounding of zero, whose gradient flips; Adam then turns a
+    rounding-sized gradient into a full learning-rate step) is
+    ill-conditioned at that seed, not wrongly sharded; `check_parity` then
+    judges its steps against twice this measured change.
+    """
+    keras.utils.set_random_seed(PARITY_SEED)
+    with names_replayed_after():
+        reference = build()
+    initial = [np.asarray(v.value) for v in reference.variables]
+    expected = _reference_run(build, reference, x, y, steps, accumulation_steps)
+    trainable = {id(v) for v in reference.trainable_variables}
+    rng = np.random.default_rng(PARITY_SEED)
+    worst = 0.0
+    for _ in range(SENSITIVITY_RUNS):
+        nudged = [
+            value
+            * (1 + NUDGE * rng.choice([-1.0, 1.0], size=value.shape)).astype(
+                value.dtype
+            )
+            if id(variable) in trainable and value.dtype.kind == "f"
+            else value
+            for variable, value in zip(reference.variables, initial)
+        ]
+        losses, weights = _trained_from(build, nudged, x, y, steps, accumulation_steps)
+        worst = max(worst, _steps_error(losses, weights, expected))
+    return worst
+
+
 def check_parity(
-    build, distribution, x, y, steps: int = 5, accumulation_steps: int = 1
+    build,
+    distribution,
+    x,
+    y,
+    steps: int = 5,
+    accumulation_steps: int = 1,
+    ill_conditioned: str = "",
 ):
     """Assert forward, gradient and `steps` Adam-step parity (both optimizers
     accumulating gradients over `accumulation_steps`); return the pair. The
     one-device reference is run once per builder, batch and initial weights
     (`_reference_run`): the returned reference is trained only by the first
-    check that ran it."""
+    check that ran it.
+
+    `ill_conditioned` (why, measured) earns the steps a bound of twice
+    `adam_steps_sensitivity` instead of the tolerance; the model must then
+    move by at least half the tolerance under the nudge, so that a listed
+    model that is no longer ill-conditioned fails. Forward outputs and
+    gradients keep the tolerance."""
+    steps_tolerance = RELATIVE_TOLERANCE
+    if ill_conditioned:
+        sensitivity = adam_steps_sensitivity(build, x, y, steps, accumulation_steps)
+        assert sensitivity >= RELATIVE_TOLERANCE / 2, (
+            f"{steps} Adam steps move by {sensitivity:.3g} only under a "
+            f"{NUDGE:g} nudge: not ill-conditioned ({ill_conditioned}); take "
+            "the model off its list"
+        )
+        steps_tolerance = max(RELATIVE_TOLERANCE, 2 * sensitivity)
     reference, sharded = build_pair(build, distribution)
     if hasattr(distribution, "prepare") and not distribution.is_planned:
         distribution.prepare(sharded, x)  # AutoShardDistribution plans here
@@ -165,7 +253,9 @@ def check_parity(
     for step, loss_reference in enumerate(expected["losses"]):
         with distribution.scope():
             loss_sharded = sharded.train_on_batch(x, y)
-        assert_close(loss_sharded, loss_reference, f"loss at step {step}")
+        assert_close(
+            loss_sharded, loss_reference, f"loss at step {step}", steps_tolerance
+        )
     # Weights that start at zero (biases) are judged against the model's
     # weight scale: Adam turns rounding noise in near-zero gradients into
     # update differences of ~1e-7, huge relative to a 5e-3 bias.
@@ -175,6 +265,7 @@ def check_parity(
             v_s.value,
             w_r,
             f"{v_s.path} after {steps} steps",
+            steps_tolerance,
             scale_floor=weight_scale,
         )
     return reference, sharded

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.xla_flags import child_env
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_CONFIG = {
     "vocabulary_size": 1024,
@@ -25,8 +27,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m keras_autoshard ARGS` from the repository root."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = child_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run(
         [sys.executable, "-m", "keras_autoshard", *args],
         capture_output=True,

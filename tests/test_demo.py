@@ -1,13 +1,13 @@
 """The Quickstart demo runs end to end and its sharded losses match."""
 
-import os
 import subprocess
 import sys
 
+from tests.xla_flags import child_env
+
 
 def test_demo_trains_sharded_gpt2_and_losses_match_single_device():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = child_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, "-m", "keras_autoshard", "demo", "--steps", "3"],
         capture_output=True,

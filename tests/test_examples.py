@@ -6,12 +6,13 @@ import sys
 
 import pytest
 
+from tests.xla_flags import child_env
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = child_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     result = subprocess.run(
         [sys.executable, os.path.join(REPO_ROOT, "examples", name), *args],
         capture_output=True,

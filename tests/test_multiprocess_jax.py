@@ -7,7 +7,6 @@ Real `jax.distributed` jobs on localhost, launched as subprocesses by
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.xla_flags import child_env
 
 WORKER = Path(__file__).with_name("multiprocess_jax_worker.py")
 pytestmark = pytest.mark.slow
@@ -28,8 +29,7 @@ def _free_port() -> int:
 
 
 def _launch(mode: str, out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 (closed by the OS)
     return subprocess.Popen(
         [sys.executable, str(WORKER), mode, str(out), *extra],

@@ -132,6 +132,23 @@ def test_mesh_shape_is_chosen_by_cost_when_not_given():
     assert plan.mesh.device_count == 8 and plan.mesh.axis_names == ("batch", "model")
 
 
+# Zoo model -> why its 5 Adam steps are judged against their measured
+# sensitivity (`tests.parity.adam_steps_sensitivity`: twice how far the
+# one-device steps move when every weight is nudged by ±1e-7) rather than
+# 1e-5. Forward outputs and gradients keep 1e-5.
+ILL_CONDITIONED_STEPS = {
+    "opt": (
+        "ReLU feed-forward after dropout 0.1: at the parity seed, three 1e-7 "
+        "nudges move the one-device weights after 5 steps by 2.1e-4, 6.3e-4 "
+        "and 2.1e-4 (transformer_layer_1's intermediate kernel: a unit whose "
+        "gradient element changes sign, which Adam turns into a full "
+        "learning-rate step); the 8x1 program compiled with LLVM -O0 lands "
+        "on the 6.3e-4 side, and at the default level seed 1 fails 1e-5 "
+        "(3.6e-5) while seed 1234 passes"
+    ),
+}
+
+
 @pytest.mark.parametrize("mesh", [MESH_2x4, MESH_1x8, MESH_8x1], ids=str)
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
 def test_auto_plan_matches_single_device_after_5_adam_steps(name, mesh):
@@ -139,7 +156,9 @@ def test_auto_plan_matches_single_device_after_5_adam_steps(name, mesh):
     x = batch()
     y = zoo.random_targets(build, x)
     dist = ka.AutoShardDistribution(device_mesh=mesh)
-    _, sharded = check_parity(build, dist, x, y)
+    _, sharded = check_parity(
+        build, dist, x, y, ill_conditioned=ILL_CONDITIONED_STEPS.get(name, "")
+    )
     assert dist.is_planned
     for v in sharded.trainable_variables:
         expected = dist.plan.variable(v.path).bytes_per_device(mesh)

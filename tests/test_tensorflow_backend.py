@@ -15,6 +15,7 @@ import keras_autoshard as ka  # noqa: E402
 from keras_autoshard import MeshSpec, PlanError, TensorParallelError  # noqa: E402
 from keras_autoshard.apply.tensor_parallel_setup import resolve_backend  # noqa: E402
 from tests import tensorflow_backend_worker as worker  # noqa: E402
+from tests.xla_flags import child_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "tensorflow_backend_worker.py")
@@ -26,8 +27,7 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def tensorflow_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensorflow") / "result.json"
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(
         [sys.executable, WORKER, str(DEVICES), str(out)],
         capture_output=True,

@@ -22,6 +22,7 @@ from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     ensure_process_group,
 )
 from tests import torch_parity_worker as worker  # noqa: E402
+from tests.xla_flags import child_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "torch_parity_worker.py")
@@ -38,8 +39,7 @@ def _free_port() -> int:
 def torchrun(
     ranks: int, args: list[str], out_dir, mode: str = "parity"
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={ranks}", f"--master-port={_free_port()}",

@@ -11,7 +11,6 @@ tests/torch_parity_worker.py.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests import torch_parity_worker as worker  # noqa: E402
+from tests.xla_flags import child_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,7 @@ def _free_port() -> int:
 
 
 def _launch_node(node_rank: int, port: int, name: str, out: Path) -> subprocess.Popen:
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
     log = open(out / f"node{node_rank}.log", "w")  # noqa: SIM115 (closed by the OS)
     command = [
         sys.executable, "-m", "torch.distributed.run",

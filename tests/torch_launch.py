@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from tests.xla_flags import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 240
 
@@ -19,8 +21,7 @@ def free_port() -> int:
 def torchrun(ranks: int, worker: str, args: list[str]) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc-per-node ranks worker *args`
     with the torch backend and no simulated JAX devices."""
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("XLA_FLAGS", None)
+    env = child_env(KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
