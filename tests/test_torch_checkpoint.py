@@ -36,12 +36,23 @@ def _run(mode, mesh_text, out_dir):
 
 
 @pytest.fixture(scope="module")
-def saved_2x2(tmp_path_factory):
-    """One 2x2 save (4 ranks) that the restore and the damaged-shard tests
-    share; neither writes into its checkpoint."""
-    out_dir = tmp_path_factory.mktemp("saved_2x2")
-    _run("save", "2x2", out_dir)
-    return out_dir
+def killed_2x2(tmp_path_factory):
+    """One 2x2 job (4 ranks, the worker's `kill` mode): a save of step 3, the
+    uninterrupted run's 5 more steps, then a save of step 8 that rank 1
+    kills. Returns `(torchrun's result, its folder)`. The killed-save test
+    reads how it ended; the restore and damaged-shard tests share its step 3
+    (none writes into its checkpoint), so each restore is also one after a
+    killed save. (One launch instead of a clean save and a killed one: each
+    rank's imports alone take about 7 CPU-seconds.)"""
+    out_dir = tmp_path_factory.mktemp("killed_2x2")
+    done = torchrun(4, WORKER, ["kill", "2x2", str(out_dir)])
+    return done, out_dir
+
+
+@pytest.fixture(scope="module")
+def saved_2x2(killed_2x2):
+    """The folder of `killed_2x2`, once its job has ended."""
+    return killed_2x2[1]
 
 
 ONE_BY_TWO = ("restore", "callback", "damaged")
@@ -106,13 +117,18 @@ def test_missing_or_truncated_shard_files_are_named_on_every_rank(one_by_two):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_during_save_leaves_the_previous_step_restorable(tmp_path):
-    done = torchrun(4, WORKER, ["kill", "2x2", str(tmp_path)])
+def test_a_rank_killed_during_save_leaves_the_previous_step_restorable(
+    killed_2x2, one_by_two
+):
+    done, out_dir = killed_2x2
     assert done.returncode != 0  # rank 1 was SIGKILLed, the job stopped
-    directory = tmp_path / "ckpt"
-    assert (directory / "4.partial").is_dir()  # the killed save's leftovers
+    directory = out_dir / "ckpt"
+    assert (directory / "8.partial").is_dir()  # the killed save's leftovers
     assert ka.complete_steps(directory) == [3]
-    _run("restore", "1x2", tmp_path)  # latest complete step, bit for bit
+    # The 1x2 restore of that folder took its latest complete step, bit for
+    # bit, and trained on.
+    restored, results, _ = one_by_two
+    _check(restored, results["restore"], 2)
 
 
 def _as_if_on_torch(monkeypatch, tmp_path):

@@ -2,14 +2,14 @@
 
 Modes:
 
-- `save`: `TensorParallel` on mesh DxM trains 3 Adam steps, saves step 3 with
-  `keras_autoshard.save_checkpoint` (metadata and data-iterator state
-  included), then trains 5 more steps (the uninterrupted run). Rank 0
+- `kill`: `TensorParallel` on mesh DxM trains 3 Adam steps, saves step 3
+  with `keras_autoshard.save_checkpoint` (metadata and data-iterator state
+  included), then trains 5 more steps (the uninterrupted run); rank 0
   writes `state3.npz` (every model and optimizer variable, gathered) and
-  `losses.json`.
-- `kill`: as `save`, then one more step and a save of step 4, during which
-  rank 1 SIGKILLs itself as soon as a shard file appears in the step's
-  temporary directory (torchrun then stops the other ranks).
+  `losses.json`. Then it saves step 8, during which rank 1 SIGKILLs itself
+  as soon as a shard file appears in the step's temporary directory
+  (torchrun then stops the other ranks): step 3 must stay the latest
+  complete one.
 - `callback`: `fit` over 6 batches with `ShardedTorchCheckpoint(save_freq=2,
   max_to_keep=2)`: steps 4 and 6 remain, complete; a fresh wrapper restores
   step 6 bit for bit (weights, optimizer) with its metadata.
@@ -49,6 +49,7 @@ from tests.torch_weights_worker import rows_of_rank  # noqa: E402
 
 SAVED_STEP = 3
 MORE_STEPS = 5
+KILLED_STEP = SAVED_STEP + MORE_STEPS
 
 
 def wrapped(mesh, seed):
@@ -96,26 +97,20 @@ def run(mode: str, mesh_text: str, out_dir: str) -> dict:
     if mode == "kill":
         tp, saved = train_and_save(mesh, x[rows], y[rows], directory)
         rank = torch.distributed.get_rank()
-        if rank == 0:
-            np.savez(os.path.join(out_dir, "state3.npz"), **saved)
-        tp.train_on_batch(x[rows], y[rows])
-        if rank == 1:
-            partial = os.path.join(directory, f"{SAVED_STEP + 1}.partial")
-            threading.Thread(
-                target=_kill_on_first_shard, args=(partial,), daemon=True
-            ).start()
-        ka.save_checkpoint(tp, directory, step=SAVED_STEP + 1)
-        problems.append(f"rank {rank} finished a save it should not have")
-    elif mode == "save":
-        tp, saved = train_and_save(mesh, x[rows], y[rows], directory)
-        rank = torch.distributed.get_rank()
         losses = [float(tp.train_on_batch(x[rows], y[rows])) for _ in range(MORE_STEPS)]
+        # Written before this rank joins the save below, so before rank 1
+        # can see a shard file of it and kill the job.
         if rank == 0:
             np.savez(os.path.join(out_dir, "state3.npz"), **saved)
             with open(os.path.join(out_dir, "losses.json"), "w") as f:
                 json.dump(losses, f)
-        if ka.complete_steps(directory) != [SAVED_STEP]:
-            problems.append(f"complete steps {ka.complete_steps(directory)}")
+        if rank == 1:
+            partial = os.path.join(directory, f"{KILLED_STEP}.partial")
+            threading.Thread(
+                target=_kill_on_first_shard, args=(partial,), daemon=True
+            ).start()
+        ka.save_checkpoint(tp, directory, step=KILLED_STEP)
+        problems.append(f"rank {rank} finished a save it should not have")
     else:
         tp = wrapped(mesh, seed=5)
         rank = torch.distributed.get_rank()

@@ -357,9 +357,13 @@ def main():
         parity_case(name, mesh, out_dir, kill=True)
         return
     # One launch checks every model named (comma-separated) on this mesh:
-    # each writes <name>_rank<rank>.json and <name>_plan.json.
+    # each writes <name>_rank<rank>.json and <name>_plan.json. Mode
+    # `parity,tensor_parallel` then runs `tensor_parallel_run` in the same
+    # launch (rank<rank>.json).
     for one in name.split(","):
         parity_case(one, mesh, out_dir)
+    if mode == "parity,tensor_parallel":
+        tensor_parallel_run(mesh, out_dir)
     torch.distributed.destroy_process_group()
 
 
