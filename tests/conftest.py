@@ -57,3 +57,17 @@ OWN_DEPRECATIONS_FAIL = pytest.mark.filterwarnings(
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(OWN_DEPRECATIONS_FAIL, append=False)
+
+
+_CPU_LOG_PATH = os.environ.get("KERAS_AUTOSHARD_CPU_LOG")
+if _CPU_LOG_PATH:
+    from tests.cpu_log import CpuLog
+
+    _CPU_LOG = CpuLog(_CPU_LOG_PATH)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """CPU seconds per test into `KERAS_AUTOSHARD_CPU_LOG` (`tests/cpu_log.py`)."""
+        before = _CPU_LOG.counters()
+        yield
+        _CPU_LOG.write(item.nodeid, before, _CPU_LOG.counters())
