@@ -148,10 +148,16 @@ def _trained_from(build, initial, x, y, steps, accumulation_steps):
     return losses, [np.asarray(v.value) for v in model.trainable_variables]
 
 
+def _weight_scale(expected) -> float:
+    """The largest trained weight of a reference run: the scale each trained
+    weight is judged against (biases start at zero)."""
+    return max(float(np.max(np.abs(w))) for w in expected["weights"])
+
+
 def _steps_error(losses, weights, expected) -> float:
     """How far (relative) `losses` and trained `weights` are from the
     reference run's, as `check_parity` judges them."""
-    weight_scale = max(float(np.max(np.abs(w))) for w in expected["weights"])
+    weight_scale = _weight_scale(expected)
     return max(
         *(relative_error(a, b) for a, b in zip(losses, expected["losses"])),
         *(
@@ -161,7 +167,7 @@ def _steps_error(losses, weights, expected) -> float:
     )
 
 
-def adam_steps_sensitivity(build, x, y, steps, accumulation_steps=1) -> float:
+def adam_steps_sensitivity(build, initial, x, y, expected, steps, accumulation_steps):
     """How far the one-device losses and weights after `steps` Adam steps move
     when every trainable float weight moves by ±`NUDGE` (relative, each sign
     at random, seeded), the largest of `SENSITIVITY_RUNS` runs.
@@ -173,32 +179,36 @@ def adam_steps_sensitivity(build, x, y, steps, accumulation_steps=1) -> float:
     rounding-sized gradient into a full learning-rate step) is
     ill-conditioned at that seed, not wrongly sharded; `check_parity` then
     judges its steps against twice this measured change. Measured once per
-    reference run (`_reference_run`'s key), for every mesh checked.
+    reference run (kept in `expected`, `_reference_run`'s record), for every
+    mesh checked.
+
+    Args:
+        build: The model builder.
+        initial: `(trainable, initial value)` of every variable of the
+            reference, in `model.variables` order.
+        x, y: The batch.
+        expected: The reference run of `_reference_run` from `initial`.
+        steps, accumulation_steps: As the reference run.
     """
-    keras.utils.set_random_seed(PARITY_SEED)
-    with names_replayed_after():
-        reference = build()
-    initial = [np.asarray(v.value) for v in reference.variables]
-    expected = _reference_run(build, reference, x, y, steps, accumulation_steps)
-    if "sensitivity" in expected:  # measured by an earlier check (another mesh)
-        return expected["sensitivity"]
-    trainable = {id(v) for v in reference.trainable_variables}
-    rng = np.random.default_rng(PARITY_SEED)
-    worst = 0.0
-    for _ in range(SENSITIVITY_RUNS):
-        nudged = [
-            value
-            * (1 + NUDGE * rng.choice([-1.0, 1.0], size=value.shape)).astype(
-                value.dtype
+    if "sensitivity" not in expected:
+        rng = np.random.default_rng(PARITY_SEED)
+        worst = 0.0
+        for _ in range(SENSITIVITY_RUNS):
+            nudged = [
+                value
+                * (1 + NUDGE * rng.choice([-1.0, 1.0], size=value.shape)).astype(
+                    value.dtype
+                )
+                if is_trainable and value.dtype.kind == "f"
+                else value
+                for is_trainable, value in initial
+            ]
+            losses, weights = _trained_from(
+                build, nudged, x, y, steps, accumulation_steps
             )
-            if id(variable) in trainable and value.dtype.kind == "f"
-            else value
-            for variable, value in zip(reference.variables, initial)
-        ]
-        losses, weights = _trained_from(build, nudged, x, y, steps, accumulation_steps)
-        worst = max(worst, _steps_error(losses, weights, expected))
-    expected["sensitivity"] = worst
-    return worst
+            worst = max(worst, _steps_error(losses, weights, expected))
+        expected["sensitivity"] = worst
+    return expected["sensitivity"]
 
 
 def check_parity(
@@ -221,19 +231,22 @@ def check_parity(
     move by at least half the tolerance under the nudge, so that a listed
     model that is no longer ill-conditioned fails. Forward outputs and
     gradients keep the tolerance."""
+    reference, sharded = build_pair(build, distribution)
+    if hasattr(distribution, "prepare") and not distribution.is_planned:
+        distribution.prepare(sharded, x)  # AutoShardDistribution plans here
+    initial = [(v.trainable, np.asarray(v.value)) for v in reference.variables]
+    expected = _reference_run(build, reference, x, y, steps, accumulation_steps)
     steps_tolerance = RELATIVE_TOLERANCE
     if ill_conditioned:
-        sensitivity = adam_steps_sensitivity(build, x, y, steps, accumulation_steps)
+        sensitivity = adam_steps_sensitivity(
+            build, initial, x, y, expected, steps, accumulation_steps
+        )
         assert sensitivity >= RELATIVE_TOLERANCE / 2, (
             f"{steps} Adam steps move by {sensitivity:.3g} only under a "
             f"{NUDGE:g} nudge: not ill-conditioned ({ill_conditioned}); take "
             "the model off its list"
         )
         steps_tolerance = max(RELATIVE_TOLERANCE, 2 * sensitivity)
-    reference, sharded = build_pair(build, distribution)
-    if hasattr(distribution, "prepare") and not distribution.is_planned:
-        distribution.prepare(sharded, x)  # AutoShardDistribution plans here
-    expected = _reference_run(build, reference, x, y, steps, accumulation_steps)
     with distribution.scope():
         x_sharded = distribute_batch(distribution, x)
         y_sharded = distribute_batch(distribution, y)
@@ -263,7 +276,7 @@ def check_parity(
     # Weights that start at zero (biases) are judged against the model's
     # weight scale: Adam turns rounding noise in near-zero gradients into
     # update differences of ~1e-7, huge relative to a 5e-3 bias.
-    weight_scale = max(float(np.max(np.abs(w))) for w in expected["weights"])
+    weight_scale = _weight_scale(expected)
     for v_s, w_r in zip(sharded.trainable_variables, expected["weights"]):
         assert_close(
             v_s.value,
