@@ -123,6 +123,62 @@ def test_masked_float32_scores_are_computed_again_not_kept():
     assert abs(ratio - 1) <= 0.08, (ratio, plan.estimate.to_dict())
 
 
+PADDED_TOKENS, PADDED_WIDTH = 2048, 128
+
+
+class PaddedAttention(keras.layers.Layer):
+    """One-head causal self-attention whose boolean mask is made from a
+    padding-mask input and reaches the scores' `where` through a
+    transpose, as a KerasHub decoder's does (one byte a score beside the
+    four of a float32 score, so the mask is a fifth of what a layer
+    keeps)."""
+
+    def build(self, input_shape):
+        width = input_shape[-1]
+        self.qkv = self.add_weight(shape=(width, 3, width), name="qkv")
+        self.out = self.add_weight(shape=(width, width), name="out")
+
+    def call(self, x, padding_mask):
+        ops = keras.ops
+        qkv = ops.einsum("bsm,mcd->cbsd", x, self.qkv)
+        scores = ops.einsum("bsd,btd->bts", qkv[0], qkv[1])
+        causal = ops.tril(ops.ones((PADDED_TOKENS, PADDED_TOKENS), "bool"))
+        padded = ops.cast(padding_mask, "bool")[:, None, :]
+        mask = ops.transpose(ops.logical_and(causal[None], padded), (0, 2, 1))
+        probs = ops.softmax(ops.where(mask, scores, -1e9), axis=1)
+        attended = ops.einsum("bts,btd->bsd", probs, qkv[2])
+        return x + ops.einsum("bsd,dm->bsm", attended, self.out)
+
+
+def test_a_mask_read_through_a_transpose_is_computed_again_not_kept():
+    """XLA:GPU fuses a transpose with the elementwise work on either side
+    (`fusion.FUSED_RELABELS`): the boolean mask, made from the padding mask
+    and transposed before the `where`, is computed again from the padding
+    mask in the backward pass, and no buffer of its size is kept. Two
+    layers, 16 x 2048 tokens on 8x1, float32: estimated 1.008 of the
+    compiled peak (189.1 against 187.6 MiB); counting each layer's mask
+    (8 MiB a device), 1.093. At Llama-2-70B widths on 16x16 the mask is
+    256 MiB a layer (BENCHMARKS.md, the real-size section)."""
+
+    def build():
+        x = keras.Input((PADDED_TOKENS, PADDED_WIDTH))
+        padding_mask = keras.Input((PADDED_TOKENS,), dtype="int32")
+        h = x
+        for i in range(2):
+            h = PaddedAttention(name=f"attention_{i}")(h, padding_mask)
+        return keras.Model([x, padding_mask], h)
+
+    tokens = (ATTENTION_BATCH, PADDED_TOKENS)
+    x = [
+        jax.ShapeDtypeStruct((*tokens, PADDED_WIDTH), np.float32),
+        jax.ShapeDtypeStruct(tokens, np.int32),
+    ]
+    plan = ka.plan(build, MESH, x, hardware="h100-80gb", rematerialize="none")
+    memory = compile_for_target(build, plan, (x, x[0]), "h100-80gb").step.memory
+    ratio = plan.estimate.peak_bytes / compiled_peak_bytes(memory)
+    assert abs(ratio - 1) <= 0.05, (ratio, plan.estimate.to_dict())
+
+
 @pytest.mark.parametrize("rematerialize", ["all", "none"])
 def test_the_backward_of_the_probabilities_cast_holds_both_gradients(rematerialize):
     """A KerasHub Llama whose attention scores decide the peak (2048 tokens,
