@@ -111,9 +111,10 @@ def kept_after_fusion(
     instead. Values an unfusible equation reads (a matmul's operands)
     or makes (its output, a reduction's) are materialised as they are.
 
-    With `accelerator` (XLA:GPU's program), four more rules, each read off
+    With `accelerator` (XLA:GPU's program), five more rules, each read off
     XLA:GPU's buffers: what a matmul reads through a copy or reshape is
-    materialised; a value read only by reductions is fused into them when
+    materialised; a transpose is fused with what it reads and what reads it
+    (`FUSED_RELABELS`); a value read only by reductions is fused into them when
     it is a normalisation's second pass or a widening cast; the outputs of
     `MATERIALISED_ON_ACCELERATORS` are kept as they are, with the operands
     `OPERAND_EMITTED` ones read in their derivative.
