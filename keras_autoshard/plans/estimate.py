@@ -20,7 +20,7 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 # BENCHMARKS.md "memory truth"): estimate / compiled peak 0.86 to 1.14 over
 # the 65 zoo rows, so 14 %. XLA:GPU at real widths (BENCHMARKS.md
 # "real-size memory truth on XLA:GPU", `benchmarks/real_size_gpu.py`): the
-# worst is 0.98 (Llama-2-70B on 32x8, 59.22 against 60.36 GiB), so 2 %
+# worst is 0.978 (Llama-2-70B on 32x8, 59.04 against 60.36 GiB), so 3 %
 # would do there; the zoo's small plans reach 0.76 (`HEADROOM_BYTES`), and a
 # plan for a whole GPU is bounded lower still by XLA:GPU's own limit
 # (`xla_gpu_program_limit`); kept at 14 %. XLA:TPU is not measured: it takes
@@ -30,7 +30,7 @@ HEADROOM = {"XLA:CPU": 0.14, "XLA:GPU": 0.14, "XLA:TPU": 0.14}
 # Bytes per device kept free besides `HEADROOM`: on XLA:GPU the zoo's plans
 # of a few MiB compile up to 3.86 MiB over their estimate (gemma with LoRA
 # on 1x8: 13.32 against 17.18 MiB; BENCHMARKS.md "memory truth on XLA:GPU",
-# estimate / compiled 0.76 to 1.31), a deficit of about fixed size (split-K
+# estimate / compiled 0.76 to 1.21), a deficit of about fixed size (split-K
 # partial products and other buffers XLA:GPU holds at any model size) that
 # no share of a small budget covers; 4 MiB would do, kept at 8 MiB (it was
 # set when the deficit reached 7.69 MiB); nothing at real sizes.
