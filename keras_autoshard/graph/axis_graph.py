@@ -423,6 +423,18 @@ class AxisGraph:
         return tuple(c for c in self.casts if self.tensors[c[1]].kind == "param")
 
     @functools.cached_property
+    def narrowed_params(self) -> dict[int, float]:
+        """Parameter id -> its cast's bytes per element over its own, for
+        each parameter read through a narrowing cast (a float32 kernel read
+        as bfloat16 under `mixed_bfloat16`); read-only."""
+        factors: dict[int, float] = {}
+        for cast, param in self.param_casts:
+            ratio = self.tensors[cast].itemsize / self.tensors[param].itemsize
+            if ratio < 1.0:
+                factors[param] = ratio
+        return factors
+
+    @functools.cached_property
     def activation_casts(self) -> tuple[tuple[int, int], ...]:
         """`(cast, activation)` of `casts`: activations converted to another
         precision."""

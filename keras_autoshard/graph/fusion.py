@@ -177,8 +177,9 @@ def _fusion_roots(
         # reshape (a Keras exact GELU's output is copied before the next
         # Dense reads it). The XLA:CPU path leaves it out: counting it there
         # put the zoo's mlp on 1x8 at 1.19 of its compiled peak.
-        readers = readers | builder.readers_through_views.get(tid, set())
-        readers = readers - FUSED_RELABELS
+        readers = (
+            readers | builder.readers_through_views.get(tid, set())
+        ) - FUSED_RELABELS
     if readers:
         if not accelerator or not readers <= REDUCTIONS:
             return memo[tid]

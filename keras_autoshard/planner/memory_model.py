@@ -355,7 +355,7 @@ def accelerator_peak(
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized),
     the gradients of every parameter read by it or a layer above (in its
-    cast's precision where the batch reduces them, `narrowed_gradients`),
+    cast's precision where the batch reduces them, `AxisGraph.narrowed_params`),
     one buffer of its largest batch activation for the gradient being formed,
     and the largest combined reduction of the gradients over the batch axes
     so far (its concatenated operand beside its result; XLA packs them in
@@ -438,7 +438,19 @@ def accelerator_peak(
     made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
     combined = [0.0] * len(stages)  # the largest combined reduction so far
     group = largest_group = 0.0
-    narrowed = narrowed_gradients(graph)
+    # A gradient the batch reduces, of a parameter read through a narrowing
+    # cast, is the cast's: XLA:GPU reduces it in the cast's precision and
+    # holds it so until the updates, which widen it as they read it (six
+    # 1024-wide Dense layers on 2x4 under `mixed_bfloat16` peak with one
+    # combined bfloat16 all-reduce, 3 MiB operand and result, where float32
+    # would be 6 MiB each; six 8192-wide ones on 8x1, each kernel's reduced
+    # alone, hold them in bfloat16 too: `tests/test_held_gradients_gpu.py`).
+    # One no batch axis reduces is widened where it is made (1x8). Not
+    # followed: a weight stored cut over the batch axis whose gradient XLA
+    # all-reduces whole, then widens and holds whole in float32 before it
+    # takes its shard (Mixtral-8x7B widths on 8x8: 224 MiB an expert kernel,
+    # counted here at its shard in bfloat16).
+    narrowed = graph.narrowed_params
     for i in reversed(range(len(stages))):
         made_above[i] = made_above[i + 1]
         for tid in stages[i].gradients:
@@ -464,39 +476,6 @@ def accelerator_peak(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
     return best[1], best[2], best[3]
-
-
-def narrowed_gradients(graph: AxisGraph) -> dict[int, float]:
-    """Parameter id -> its cast's bytes per element over its own, for each
-    parameter a product reads through a narrowing cast (a float32 kernel
-    read as bfloat16 under `mixed_bfloat16`).
-
-    Where such a gradient is reduced over the batch, XLA:GPU reduces the
-    cast's gradient, in the cast's precision, and holds it so until the
-    updates, which widen it as they read it: six 1024-wide Dense layers on
-    2x4 peak with their gradients as one combined bfloat16 all-reduce
-    (3 MiB, operand and result) where float32 would be 6 MiB each; six
-    8192-wide ones on 8x1, each kernel's gradient reduced alone (128 MiB),
-    hold them in bfloat16 too (`tests/test_held_gradients_gpu.py`). A
-    gradient no batch axis reduces is widened where it is made (1x8:
-    float32 held either way). Not followed: a weight stored cut over the
-    batch axis whose gradient XLA all-reduces whole, then widens and holds
-    whole in float32 before it takes its shard (Mixtral-8x7B widths on
-    8x8: 224 MiB an expert kernel, counted here at its shard in bfloat16).
-
-    Args:
-        graph: The model's axis graph.
-
-    Returns:
-        The factor by parameter; parameters read at their own precision are
-        absent.
-    """
-    factors: dict[int, float] = {}
-    for cast, param in graph.param_casts:
-        ratio = graph.tensors[cast].itemsize / graph.tensors[param].itemsize
-        if ratio < 1.0:
-            factors[param] = ratio
-    return factors
 
 
 # Bytes per element of a floating target as the step receives it: Keras's
