@@ -461,10 +461,19 @@ class AxisGraph:
         Raises:
             KeyError: If no param has that path.
         """
+        tensor = self._params_by_path.get(name)
+        if tensor is None:
+            raise KeyError(f"No param named {name!r} in the axis graph.")
+        return tensor
+
+    @functools.cached_property
+    def _params_by_path(self) -> dict[str, TensorNode]:
+        """Variable path -> its `"param"` tensor (the first, as a scan finds)."""
+        by_path: dict[str, TensorNode] = {}
         for tensor in self.tensors:
-            if tensor.kind == "param" and tensor.name == name:
-                return tensor
-        raise KeyError(f"No param named {name!r} in the axis graph.")
+            if tensor.kind == "param":
+                by_path.setdefault(tensor.name, tensor)
+        return by_path
 
     def layer_outputs(self, layer_path: str) -> tuple[int, ...]:
         """Ids of the output tensor of each call of the layer at `layer_path`.
