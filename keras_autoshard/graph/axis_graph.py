@@ -461,14 +461,15 @@ class AxisGraph:
         Raises:
             KeyError: If no param has that path.
         """
-        tensor = self._params_by_path.get(name)
+        tensor = self.params_by_path.get(name)
         if tensor is None:
             raise KeyError(f"No param named {name!r} in the axis graph.")
         return tensor
 
     @functools.cached_property
-    def _params_by_path(self) -> dict[str, TensorNode]:
-        """Variable path -> its `"param"` tensor (the first, as a scan finds)."""
+    def params_by_path(self) -> dict[str, TensorNode]:
+        """Variable path -> its `"param"` tensor (the first of that path in
+        invar order); read-only."""
         by_path: dict[str, TensorNode] = {}
         for tensor in self.tensors:
             if tensor.kind == "param":

@@ -414,7 +414,7 @@ def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pin
     class_axis: dict[int, str | None] = {}
     fsdp: dict[str, list[tuple[int, str]]] = {}
     for path, spec in pinned.items():
-        tensor = graph.param(path) if _is_param(graph, path) else None
+        tensor = graph.params_by_path.get(path)
         if tensor is None:
             continue
         if len(spec) != len(tensor.shape):
@@ -450,10 +450,6 @@ def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pin
         fsdp={k: tuple(v) for k, v in fsdp.items()},
         no_fsdp=frozenset(pinned),
     )
-
-
-def _is_param(graph: AxisGraph, path: str) -> bool:
-    return any(t.name == path and t.kind == "param" for t in graph.tensors)
 
 
 def _build_plan(
