@@ -51,8 +51,9 @@ def torchrun(
 
 
 CASES = [("mlp", "1x2"), ("mlp", "2x2"), ("gpt2", "1x2"), ("gpt2", "2x2")]
-# The `TensorParallel` wrapper's run shares this mesh's parity launch (each
-# launch costs its ranks' imports, about 7 CPU-seconds a rank).
+# The `TensorParallel` wrapper's run and the multi-axis plan's share this
+# mesh's parity launch (each launch costs its ranks' imports, about 7
+# CPU-seconds a rank).
 TENSOR_PARALLEL_MESH = "2x2"
 
 
@@ -65,7 +66,9 @@ def parity_run(name, mesh_text, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"parity_{mesh_text}")
         ranks = int(np.prod([int(s) for s in mesh_text.split("x")]))
         mode = (
-            "parity,tensor_parallel" if mesh_text == TENSOR_PARALLEL_MESH else "parity"
+            "parity,multi_axis,tensor_parallel"
+            if mesh_text == TENSOR_PARALLEL_MESH
+            else "parity"
         )
         _RUNS[mesh_text] = (
             torchrun(ranks, [",".join(names), mesh_text], out, mode),
@@ -166,3 +169,26 @@ def test_tensor_parallel_with_torch_backend_trains_like_the_unwrapped_model(
         assert result["type"] == "TorchTensorParallel" and result["mesh"] == [2, 2]
         assert result["is_tensor_parallel"]  # isinstance(tp, ka.TensorParallel)
         assert result["ok"], f"rank {rank}: {result['problems']}"
+
+
+@pytest.mark.slow
+def test_a_batch_and_weights_cut_over_both_mesh_axes_train_like_one_process(
+    tmp_path_factory,
+):
+    # `torch_parity_worker.MULTI_AXIS_RULES` on 2x2: the batch and three
+    # kernels cut over ("batch", "model"), DTensor Shard on both mesh dims;
+    # each rank feeds its quarter of the batch and holds a quarter of them.
+    done, _, out = parity_run("mlp", TENSOR_PARALLEL_MESH, tmp_path_factory)
+    assert done.returncode == 0, done.stderr[-4000:]
+    plan = ka.ShardingPlan.load(str(out / "mlp_multi_axis_plan.json"))
+    assert plan.batch_axis == ("batch", "model")
+    assert plan.variable("mlp_up/kernel").spec == (("batch", "model"), None)
+    for rank in range(4):
+        path = out / f"mlp_multi_axis_rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result:\n{done.stderr[-3000:]}"
+        result = json.loads(path.read_text())
+        assert result["ok"], f"rank {rank}: {result['problems']}"
+        assert result["parameters"] == plan.bytes_per_device()
+        # The three kernels (32x128, 128x32, 32x8 float32) are a quarter each.
+        kernels = (32 * 128 + 128 * 32 + 32 * 8) * 4
+        assert result["sharded_total"] == kernels

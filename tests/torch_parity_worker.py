@@ -42,7 +42,11 @@ from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh  # noqa
 from keras_autoshard.apply.torch.planning import plan_for_torch  # noqa: E402
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel  # noqa: E402
 from keras_autoshard.planner.remote import align_plan  # noqa: E402
-from keras_autoshard.runtime.torch_processes import ensure_process_group  # noqa: E402
+from keras_autoshard.plans.rules import plan_from_rules  # noqa: E402
+from keras_autoshard.runtime.torch_processes import (  # noqa: E402
+    ensure_process_group,
+    local_batch_rows,
+)
 from tests.torch_launch import finish_rank  # noqa: E402
 
 RTOL = 1e-5
@@ -360,29 +364,49 @@ def main():
     # each writes <name>_rank<rank>.json and <name>_plan.json. Mode
     # `parity,tensor_parallel` then runs `tensor_parallel_run` in the same
     # launch (rank<rank>.json).
+    # `multi_axis` then checks the mlp under `MULTI_AXIS_RULES`.
+    modes = mode.split(",")
     for one in name.split(","):
         parity_case(one, mesh, out_dir)
-    if mode == "parity,tensor_parallel":
+    if "multi_axis" in modes:
+        parity_case("mlp", mesh, out_dir, rules=MULTI_AXIS_RULES)
+    if "tensor_parallel" in modes:
         tensor_parallel_run(mesh, out_dir)
     torch.distributed.destroy_process_group()
 
 
-def parity_case(name, mesh, out_dir, kill=False):
-    """Plan `name` for the torch ranks, then compare its forward pass,
-    gradients and 5 Adam steps with one process; write this rank's figures."""
+# A hand-written plan whose batch and weights are cut over both mesh axes at
+# once (DTensor `Shard` on both mesh dims): FSDP-style storage over every rank.
+MULTI_AXIS_BATCH = ("batch", "model")
+MULTI_AXIS_RULES = {
+    "mlp_up/kernel": (MULTI_AXIS_BATCH, None),
+    "mlp_down/kernel": (None, MULTI_AXIS_BATCH),
+    "head/kernel": (MULTI_AXIS_BATCH, None),
+}
+
+
+def parity_case(name, mesh, out_dir, kill=False, rules=None):
+    """Plan `name` for the torch ranks (or apply `rules`, a hand-written plan
+    with the batch over `MULTI_AXIS_BATCH`), then compare its forward pass,
+    gradients and 5 Adam steps with one process; write this rank's figures
+    (`<name>_rank<r>.json`, `<name>_multi_axis_rank<r>.json` for rules)."""
     rank = torch.distributed.get_rank()
     x, y = batch(name)
     reference = build(name)
     model = build(name)
-    plan = plan_for_torch(model, mesh, x)
+    if rules is None:
+        plan = plan_for_torch(model, mesh, x)
+    else:
+        plan = plan_from_rules(model.variables, mesh, rules, MULTI_AXIS_BATCH)
+        name_as = f"{name}_multi_axis"
     device_mesh = torch_device_mesh(mesh)
     sharded = TorchShardedModel(model, plan, device_mesh)
 
-    data = mesh.axis_size("batch")
-    index = device_mesh.get_local_rank("batch")
-    rows = slice(index * BATCH // data, (index + 1) * BATCH // data)
+    rows = local_batch_rows(BATCH, mesh, plan.batch_axis)
     local = keras.tree.map_structure(lambda a: a[rows], x)
     local_y = y[rows]
+    if rules is not None:
+        name = name_as
     if rank == 0:
         with open(os.path.join(out_dir, f"{name}_plan.json"), "w") as f:
             f.write(plan.to_json())
@@ -420,6 +444,8 @@ def parity_case(name, mesh, out_dir, kill=False):
     model_ways = mesh.axis_size("model")
     expected_params = (
         held.sharded_parameters_total // model_ways + held.replicated_parameters_total
+        if rules is None
+        else plan.bytes_per_device()  # cut over every rank
     )
     figures.update(
         parameters=held.parameters,

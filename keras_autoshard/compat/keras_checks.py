@@ -301,6 +301,15 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
             "backend/tensorflow/optimizer.py", "self._distribution_strategy ="
         ),
     ),
+    (
+        "TensorLayout._validate_axes (overridden by compat.keras_layouts)",
+        lambda _: (
+            _source_has("distribution/distribution_lib.py", "self._validate_axes()")
+            and attribute(
+                "keras.src.distribution.distribution_lib", "TensorLayout"
+            )._validate_axes
+        ),
+    ),
 ]
 
 _JAX_TRAINER = "keras.src.backend.jax.trainer"

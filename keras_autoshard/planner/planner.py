@@ -38,7 +38,7 @@ from keras_autoshard.planner.roles import class_roles
 from keras_autoshard.planner.search import Pins
 from keras_autoshard.planner.sequence_parallel import SequenceCut
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
-from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
+from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES, entry_axes, spec_axes
 from keras_autoshard.plans.rules import Spec, match_rules
 from keras_autoshard.plans.sharding_plan import (
     MeshSpec,
@@ -392,7 +392,7 @@ def _check_rules_against_shapes(variables, rules, mesh: MeshSpec) -> None:
                 f"{where}: the spec has {len(spec)} entries, the variable "
                 f"{len(shape)} dims. Give one mesh axis or None per dim."
             )
-        named = [axis for axis in spec if axis is not None]
+        named = spec_axes(spec)
         for axis in named:
             if axis not in sizes:
                 raise PlanError(
@@ -400,13 +400,15 @@ def _check_rules_against_shapes(variables, rules, mesh: MeshSpec) -> None:
                 )
         if len(set(named)) != len(named):
             raise PlanError(f"{where}: a mesh axis may cut only one dim of a tensor.")
-        for dim, axis in enumerate(spec):
-            if axis is not None and shape[dim] % sizes[axis]:
+        for dim, entry in enumerate(spec):
+            size = mesh.axis_size(entry_axes(entry))
+            if shape[dim] % size:
+                axes = " x ".join(f"{a!r}" for a in entry_axes(entry))
                 raise PlanError(
                     f"{where}: dim {dim} has size {shape[dim]}, which mesh axis "
-                    f"{axis!r} (size {sizes[axis]}) does not divide. Cut another "
+                    f"{axes} (size {size}) does not divide. Cut another "
                     "dim, use a mesh axis that divides it, or pad the layer to "
-                    f"a multiple of {sizes[axis]}."
+                    f"a multiple of {size}."
                 )
 
 
@@ -423,6 +425,13 @@ def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pin
                 f"the variable has shape {tensor.shape}."
             )
         for dim, axis in enumerate(spec):
+            if isinstance(axis, tuple):
+                raise PlanError(
+                    f"Rule for {path!r} cuts dim {dim} over several mesh axes "
+                    f"{axis}; the planner takes one mesh axis per dim in rules "
+                    "so far. Give the whole plan by rules instead "
+                    "(keras_autoshard.plans.rules.plan_from_rules), or one axis."
+                )
             cls = tensor.dim_classes[dim]
             if cls is None:
                 if axis is not None:

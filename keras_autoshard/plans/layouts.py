@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from keras_autoshard.plans.mesh import MeshSpec, dtype_itemsize
+from keras_autoshard.plans.mesh import (
+    MeshSpec,
+    SpecEntry,
+    dtype_itemsize,
+    normalize_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +21,9 @@ class VariableSharding:
         path: The variable's `path` (e.g. `"dense/kernel"`).
         shape: The variable's global shape.
         dtype: The variable's dtype name.
-        spec: One mesh axis name, or `None` (replicated), per dimension.
+        spec: Per dimension, a mesh axis name, a tuple of mesh axis names
+            (the dim cut over all of them, the first major, as in
+            `jax.sharding.PartitionSpec`), or `None` (not cut).
         roles: The logical role of each dimension (`"heads"`, `"mlp"`,
             `"vocab"`, `"embed"`, `"examples"`, ...) or `None` when unknown.
         reason: Why the planner chose this spec (empty for hand-written plans).
@@ -34,13 +41,13 @@ class VariableSharding:
     path: str
     shape: tuple[int, ...]
     dtype: str
-    spec: tuple[str | None, ...]
+    spec: tuple[SpecEntry, ...]
     roles: tuple[str | None, ...] = ()
     reason: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        object.__setattr__(self, "spec", tuple(self.spec))
+        object.__setattr__(self, "spec", normalize_spec(self.spec))
         roles = tuple(self.roles) if self.roles else (None,) * len(self.shape)
         object.__setattr__(self, "roles", roles)
         object.__setattr__(self, "dtype", str(self.dtype))
@@ -67,7 +74,8 @@ class ActivationLayout:
         path: The Keras layer path followed by `/output`
             (e.g. `"transformer_layer_0/output"`), as Keras asks
             `Distribution.get_tensor_layout` for it.
-        spec: One mesh axis name, or `None`, per dimension of the output.
+        spec: Per dimension of the output, a mesh axis name, a tuple of
+            mesh axis names, or `None` (as in `VariableSharding`).
 
     Example:
 
@@ -79,7 +87,7 @@ class ActivationLayout:
     """
 
     path: str
-    spec: tuple[str | None, ...]
+    spec: tuple[SpecEntry, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "spec", tuple(self.spec))
+        object.__setattr__(self, "spec", normalize_spec(self.spec))

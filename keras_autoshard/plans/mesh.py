@@ -25,8 +25,12 @@ DATA_AXIS_NAMES = frozenset({"batch", "data", "dp", "fsdp", "replica"})
 # Axis names reserved for tensor parallelism (never split the batch).
 MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
 
-# One mesh axis name (or None: not cut) per tensor dimension.
-Spec = Sequence[str | None]
+# What cuts one tensor dimension: a mesh axis name, an ordered tuple of mesh
+# axis names (the dim cut over their product, the first name major, as in a
+# JAX `PartitionSpec` entry `("batch", "model")`), or None (not cut).
+SpecEntry = str | tuple[str, ...] | None
+# One `SpecEntry` per tensor dimension.
+Spec = Sequence[SpecEntry]
 
 # Bytes per element for dtype names as Keras spells them.
 _DTYPE_BYTES = {
@@ -48,6 +52,70 @@ _DTYPE_BYTES = {
     "complex64": 8,
     "complex128": 16,
 }
+
+
+def entry_axes(entry: SpecEntry | Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes one spec entry cuts its dimension over, major first.
+
+    Args:
+        entry: `None`, a mesh axis name, or a sequence of mesh axis names.
+
+    Returns:
+        A tuple of axis names (empty for `None`).
+
+    Example:
+
+    ```python
+    entry_axes(("batch", "model"))  # ("batch", "model")
+    entry_axes("model")  # ("model",)
+    entry_axes(None)  # ()
+    ```
+    """
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(str(a) for a in entry)
+
+
+def normalize_entry(entry: SpecEntry | Sequence[str]) -> SpecEntry:
+    """One spec entry in its one spelling: `None` for no axis, the name for
+    one axis, a tuple for several (a list, as JSON reads it, becomes a tuple).
+
+    Args:
+        entry: `None`, a mesh axis name, or a sequence of mesh axis names.
+
+    Returns:
+        `None`, a `str`, or a tuple of two or more names.
+
+    Example:
+
+    ```python
+    normalize_entry(["batch", "model"])  # ("batch", "model")
+    normalize_entry(("model",))  # "model"
+    normalize_entry(())  # None
+    ```
+    """
+    axes = entry_axes(entry)
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def normalize_spec(spec: Sequence) -> tuple[SpecEntry, ...]:
+    """`normalize_entry` of every entry of `spec`, as a tuple."""
+    return tuple(normalize_entry(entry) for entry in spec)
+
+
+def spec_axes(spec: Sequence) -> tuple[str, ...]:
+    """Every mesh axis a spec uses, in dimension order (a name once per use)."""
+    return tuple(axis for entry in spec for axis in entry_axes(entry))
+
+
+def entry_text(entry: SpecEntry) -> str:
+    """A spec entry as the tables print it: `-`, `model`, `batch+model`."""
+    axes = entry_axes(entry)
+    return "+".join(axes) if axes else "-"
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -102,8 +170,11 @@ class MeshSpec:
         """Number of devices in the mesh (the product of its sizes)."""
         return math.prod(self.shape)
 
-    def axis_size(self, axis_name: str) -> int:
-        """Number of devices along `axis_name`."""
+    def axis_size(self, axis_name: str | Sequence[str]) -> int:
+        """Number of devices along `axis_name`; for a tuple of names (a spec
+        entry that cuts one dim over several axes), their product."""
+        if not isinstance(axis_name, str):
+            return math.prod(self.axis_size(a) for a in axis_name)
         if axis_name not in self.axis_names:
             raise PlanError(
                 f"Unknown mesh axis {axis_name!r}; the mesh has axes "

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from keras_autoshard.plans.mesh import entry_text
+
 if TYPE_CHECKING:
     from keras_autoshard.plans.sharding_plan import ShardingPlan
 
@@ -23,7 +25,7 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def _spec_text(spec) -> str:
-    return "(" + ", ".join("-" if a is None else a for a in spec) + ")"
+    return "(" + ", ".join(entry_text(entry) for entry in spec) + ")"
 
 
 def _roles_text(roles) -> str:
@@ -34,7 +36,7 @@ def build_plan_table(plan: ShardingPlan, max_rows: int | None = None) -> Table:
     """A `rich.table.Table` of the plan, one row per variable plus totals."""
     table = Table(
         title=f"Sharding plan on mesh {plan.mesh.describe()}"
-        + (f", batch on {plan.batch_axis!r}" if plan.batch_axis else ""),
+        + (f", batch on {entry_text(plan.batch_axis)!r}" if plan.batch_axis else ""),
         show_footer=True,
     )
     total = plan.total_bytes()

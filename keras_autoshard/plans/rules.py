@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from keras_autoshard.plans.mesh import Spec
+from keras_autoshard.plans.mesh import Spec, SpecEntry, normalize_spec
 from keras_autoshard.plans.sharding_plan import (
     ActivationLayout,
     MeshSpec,
@@ -18,7 +18,7 @@ from keras_autoshard.plans.validation import validate_plan_structure
 
 def match_rules(
     paths: Sequence[str], rules: Mapping[str, Spec]
-) -> dict[str, tuple[str, tuple[str | None, ...]]]:
+) -> dict[str, tuple[str, tuple[SpecEntry, ...]]]:
     """Which rule applies to which path.
 
     A rule applies when its pattern fully matches the path (as in Keras's
@@ -33,7 +33,7 @@ def match_rules(
         path → (pattern, spec) for every matched path.
     """
     compiled = {pattern: re.compile(pattern) for pattern in rules}
-    matched: dict[str, tuple[str, tuple[str | None, ...]]] = {}
+    matched: dict[str, tuple[str, tuple[SpecEntry, ...]]] = {}
     used = set()
     for path in paths:
         hits = [p for p, regex in compiled.items() if regex.fullmatch(path)]
@@ -43,7 +43,7 @@ def match_rules(
                 "patterns exclusive so each variable matches at most one."
             )
         if hits:
-            matched[path] = (hits[0], tuple(rules[hits[0]]))
+            matched[path] = (hits[0], normalize_spec(rules[hits[0]]))
             used.add(hits[0])
     unused = [p for p in rules if p not in used]
     if unused:
@@ -59,7 +59,7 @@ def plan_from_rules(
     variables: Sequence,
     mesh: MeshSpec,
     rules: Mapping[str, Spec],
-    batch_axis: str | None,
+    batch_axis: SpecEntry,
     roles: Mapping[str, Sequence[str | None]] | None = None,
     activations: Sequence[ActivationLayout] = (),
     check_structure: bool = True,
@@ -69,8 +69,10 @@ def plan_from_rules(
     Args:
         variables: Keras variables (with `path`, `shape`, `dtype`).
         mesh: The mesh.
-        rules: Regular expression on the path → spec.
-        batch_axis: Mesh axis for the batch dimension, or `None`.
+        rules: Regular expression on the path → spec (per dimension a mesh
+            axis name, a tuple of them, or `None`).
+        batch_axis: Mesh axis (or tuple of mesh axes) for the batch
+            dimension, or `None`.
         roles: Optional regular expression → logical roles per dimension.
         activations: Layer-output layouts to add.
         check_structure: Validate specs against the mesh (divisibility,

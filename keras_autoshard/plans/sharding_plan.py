@@ -1,11 +1,11 @@
 """`ShardingPlan`: which mesh axis shards which dimension of which tensor.
 
 A plan is plain, immutable data. It names the mesh (shape and axis names),
-gives every model variable a partition spec (one mesh axis name or `None` per
-dimension) with the logical role of each dimension where known, and lists
-activation layouts (layer outputs) that pin the partitioner's choices. It can
-be printed, saved as JSON, turned into a Keras `LayoutMap`, and checked against
-a model. It does not import any backend.
+gives every model variable a partition spec (per dimension a mesh axis name,
+a tuple of them, or `None`) with the logical role of each dimension where
+known, and lists activation layouts (layer outputs) that pin the
+partitioner's choices. It can be printed, saved as JSON, turned into a Keras
+`LayoutMap`, and checked against a model. It does not import any backend.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from keras_autoshard.errors import PlanError  # noqa: F401
 from keras_autoshard.plans.estimate import PlanEstimate  # noqa: F401
 from keras_autoshard.plans.identity import key_path, unique_variables  # noqa: F401
 from keras_autoshard.plans.layouts import ActivationLayout, VariableSharding  # noqa: F401
-from keras_autoshard.plans.mesh import MeshSpec, dtype_itemsize  # noqa: F401
+from keras_autoshard.plans.mesh import (  # noqa: F401
+    MeshSpec,
+    SpecEntry,
+    dtype_itemsize,
+    entry_text,
+    normalize_entry,
+)
 
 FORMAT_NAME = "keras-autoshard/sharding-plan"
 FORMAT_VERSION = 1
@@ -59,7 +65,8 @@ class ShardingPlan:
         mesh: The mesh the plan is for.
         variables: One `VariableSharding` per model variable.
         batch_axis: Mesh axis that splits the batch dimension of the inputs,
-            or `None` to replicate inputs.
+            a tuple of mesh axes (the batch cut over all of them, the first
+            major), or `None` to replicate inputs.
         activations: Layout constraints on layer outputs.
         notes: Planner remarks a person should read (replicated KV heads,
             vocabularies that do not divide, ...).
@@ -91,7 +98,7 @@ class ShardingPlan:
 
     mesh: MeshSpec
     variables: tuple[VariableSharding, ...]
-    batch_axis: str | None = None
+    batch_axis: SpecEntry = None
     activations: tuple[ActivationLayout, ...] = ()
     notes: tuple[str, ...] = ()
     estimate: PlanEstimate | None = dataclasses.field(default=None, compare=False)
@@ -108,6 +115,7 @@ class ShardingPlan:
         activations = tuple(sorted(self.activations, key=lambda a: path_order(a.path)))
         object.__setattr__(self, "activations", activations)
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "batch_axis", normalize_entry(self.batch_axis))
         if self.batch_axis is not None:
             self.mesh.axis_size(self.batch_axis)
 
@@ -149,7 +157,7 @@ class ShardingPlan:
 
     # ---------------------------------------------------------------- editing
     def replace_specs(
-        self, specs: Mapping[str, Sequence[str | None]], reason: str = "user rule"
+        self, specs: Mapping[str, Sequence[SpecEntry]], reason: str = "user rule"
     ) -> ShardingPlan:
         """A copy of this plan with the given variables' specs replaced."""
         unknown = sorted(set(specs) - set(self._by_path()))
@@ -173,20 +181,21 @@ class ShardingPlan:
                 "shape": list(self.mesh.shape),
                 "axis_names": list(self.mesh.axis_names),
             },
-            "batch_axis": self.batch_axis,
+            "batch_axis": _json_entry(self.batch_axis),
             "variables": [
                 {
                     "path": v.path,
                     "shape": list(v.shape),
                     "dtype": v.dtype,
-                    "spec": list(v.spec),
+                    "spec": [_json_entry(entry) for entry in v.spec],
                     "roles": list(v.roles),
                     "reason": v.reason,
                 }
                 for v in self.variables
             ],
             "activations": [
-                {"path": a.path, "spec": list(a.spec)} for a in self.activations
+                {"path": a.path, "spec": [_json_entry(e) for e in a.spec]}
+                for a in self.activations
             ],
             "notes": list(self.notes),
             "rematerialize": list(self.rematerialize),
@@ -272,7 +281,9 @@ class ShardingPlan:
         Returns:
             A `keras.distribution.LayoutMap`.
         """
-        from keras.distribution import LayoutMap, TensorLayout
+        from keras.distribution import LayoutMap
+
+        from keras_autoshard.compat.keras_layouts import tensor_layout
 
         check_mesh_matches(self.mesh, device_mesh)
         layout_map = LayoutMap(device_mesh)
@@ -288,9 +299,9 @@ class ShardingPlan:
                     "with keras_autoshard.PlanDistribution(plan), which tells "
                     "them apart by their order in the model."
                 )
-            layout_map[re.escape(path)] = TensorLayout(specs.pop(), device_mesh)
+            layout_map[re.escape(path)] = tensor_layout(specs.pop(), device_mesh)
         for a in self.activations:
-            layout_map[re.escape(a.path)] = TensorLayout(a.spec, device_mesh)
+            layout_map[re.escape(a.path)] = tensor_layout(a.spec, device_mesh)
         return layout_map
 
     def summary(self, max_rows: int | None = None) -> str:
@@ -306,7 +317,7 @@ class ShardingPlan:
             lines.append(f"search: {self.estimate.search}")
         for v in self.variables:
             roles = ", ".join(r or "?" for r in v.roles)
-            spec = ", ".join(a or "-" for a in v.spec)
+            spec = ", ".join(entry_text(entry) for entry in v.spec)
             lines.append(f"{v.path} [{roles}] -> ({spec}): {v.reason or 'no reason'}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -325,6 +336,11 @@ class ShardingPlan:
         from keras_autoshard.plans.validation import validate_plan_against_variables
 
         validate_plan_against_variables(self, unique_variables(model.variables))
+
+
+def _json_entry(entry: SpecEntry) -> str | list[str] | None:
+    """A spec entry as JSON holds it (a list for several axes)."""
+    return list(entry) if isinstance(entry, tuple) else entry
 
 
 def check_mesh_matches(mesh: MeshSpec, device_mesh) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.identity import variable_keys
 from keras_autoshard.plans.layouts import VariableSharding
-from keras_autoshard.plans.mesh import MeshSpec
+from keras_autoshard.plans.mesh import MeshSpec, entry_axes
 
 if TYPE_CHECKING:
     from keras_autoshard.plans.sharding_plan import ShardingPlan
@@ -22,7 +22,8 @@ def spec_problems(
     Args:
         path: Variable path, for the messages.
         shape: The variable's global shape.
-        spec: One mesh axis name or `None` per dimension.
+        spec: Per dimension, a mesh axis name, a tuple of mesh axis names,
+            or `None`.
         mesh: The mesh the spec refers to.
 
     Returns:
@@ -33,34 +34,44 @@ def spec_problems(
         return [
             f"{path}: spec {tuple(spec)} has {len(spec)} entries but the variable "
             f"has shape {tuple(shape)} ({len(shape)} dims); give one mesh axis "
-            "name or None per dimension."
+            "name, tuple of mesh axis names, or None per dimension."
         ]
     used: dict[str, int] = {}
-    for dim, axis in enumerate(spec):
-        if axis is None:
-            continue
-        if axis not in mesh.axis_names:
+    for dim, entry in enumerate(spec):
+        axes = entry_axes(entry)
+        unknown = [axis for axis in axes if axis not in mesh.axis_names]
+        if unknown:
             problems.append(
-                f"{path}: dim {dim} names mesh axis {axis!r}, which does not "
+                f"{path}: dim {dim} names mesh axis {unknown[0]!r}, which does not "
                 f"exist; the mesh has axes {mesh.axis_names}. Use one of those "
                 "or None."
             )
             continue
-        if axis in used:
-            problems.append(
-                f"{path}: mesh axis {axis!r} shards both dim {used[axis]} and dim "
-                f"{dim}; a mesh axis may shard at most one dimension of a tensor. "
-                "Replicate one of them (None)."
-            )
-        used[axis] = dim
-        axis_size = mesh.axis_size(axis)
-        if shape[dim] % axis_size:
-            problems.append(
-                f"{path}: dim {dim} has size {shape[dim]}, which mesh axis "
-                f"{axis!r} of size {axis_size} does not divide. Replicate that "
-                "dim (None), shard another dim, or use a mesh axis whose size "
-                f"divides {shape[dim]}."
-            )
+        for axis in axes:
+            if axis in used:
+                where = (
+                    "twice in" if used[axis] == dim else f"both dim {used[axis]} and"
+                )
+                problems.append(
+                    f"{path}: mesh axis {axis!r} shards {where} dim {dim}; a mesh "
+                    "axis may shard at most one dimension of a tensor. Replicate "
+                    "one of them (None)."
+                )
+            used[axis] = dim
+        axis_size = mesh.axis_size(axes)
+        if shape[dim] % axis_size == 0:
+            continue
+        if len(axes) == 1:
+            named = f"mesh axis {axes[0]!r} of size {axis_size}"
+            fix = f"a mesh axis whose size divides {shape[dim]}"
+        else:
+            sizes = [mesh.axis_size(a) for a in axes]
+            named = f"mesh axes {axes} of sizes {sizes} (together {axis_size})"
+            fix = f"mesh axes whose sizes multiply to a divisor of {shape[dim]}"
+        problems.append(
+            f"{path}: dim {dim} has size {shape[dim]}, which {named} does not "
+            f"divide. Replicate that dim (None), shard another dim, or use {fix}."
+        )
     return problems
 
 

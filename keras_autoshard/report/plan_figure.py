@@ -21,6 +21,7 @@ import math
 from collections import defaultdict
 
 from keras_autoshard.plans.estimate import PlanEstimate
+from keras_autoshard.plans.mesh import entry_text, spec_axes
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan, VariableSharding
 
@@ -89,8 +90,8 @@ def block_devices(
         (row block, column block) → device ids.
     """
     row_dims = variable.spec[:1] if len(variable.spec) > 1 else ()
-    row_axes = [a for a in row_dims if a is not None]
-    column_axes = [a for a in variable.spec[len(row_dims) :] if a is not None]
+    row_axes = spec_axes(row_dims)
+    column_axes = spec_axes(variable.spec[len(row_dims) :])
     blocks: dict[tuple[int, int], list[int]] = defaultdict(list)
     ranges = [range(size) for size in mesh.shape]
     for device_id, coords in enumerate(itertools.product(*ranges)):
@@ -266,7 +267,7 @@ def _draw_layout(axes, variable: VariableSharding, count: int, mesh: MeshSpec) -
     axes.set_ylim(0, rows)
     axes.set_xticks([])
     axes.set_yticks([])
-    spec = ", ".join(a or "-" for a in variable.spec)
+    spec = ", ".join(entry_text(entry) for entry in variable.spec)
     shape = "x".join(str(s) for s in variable.shape)
     more = f" (+{count - 1} alike)" if count > 1 else ""
     name = "/".join(variable.path.split("/")[-2:])

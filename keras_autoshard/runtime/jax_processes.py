@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 
 import jax
 import numpy as np
 
 from keras_autoshard.compat import jax_private, keras_private
 from keras_autoshard.errors import ClusterError
+from keras_autoshard.plans.mesh import SpecEntry, entry_axes
 from keras_autoshard.runtime.cluster_spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
@@ -116,23 +118,26 @@ def global_batch_shapes(local_batch, shares: int):
     return jax.tree_util.tree_map(scaled, local_batch)
 
 
-def batch_share(jax_mesh_devices: np.ndarray, axis_names, batch_axis: str | None):
+def batch_share(jax_mesh_devices: np.ndarray, axis_names, batch_axis: SpecEntry):
     """How a batch split over `batch_axis` falls onto the processes.
 
     Args:
         jax_mesh_devices: The mesh's device array (`jax.sharding.Mesh.devices`).
         axis_names: The mesh's axis names.
-        batch_axis: The mesh axis the batch is split over (`None`: replicated).
+        batch_axis: The mesh axis (or tuple of axes, the first major) the
+            batch is split over (`None`: replicated).
 
     Returns:
         `(shares, my_share)`: into how many process-owned parts the global
         batch is cut, and which of them (in batch order) this process owns.
     """
-    if batch_axis is None:
+    axes = entry_axes(batch_axis)
+    if not axes:
         return 1, 0
-    by_batch_index = np.moveaxis(
-        np.asarray(jax_mesh_devices), list(axis_names).index(batch_axis), 0
-    )
+    # One row of devices per batch position, the batch axes' order major first.
+    positions = [list(axis_names).index(axis) for axis in axes]
+    moved = np.moveaxis(np.asarray(jax_mesh_devices), positions, range(len(axes)))
+    by_batch_index = moved.reshape((-1, math.prod(moved.shape[len(axes) :])))
     owners = []
     for block in by_batch_index:
         processes = frozenset(device.process_index for device in block.flat)
@@ -148,7 +153,7 @@ def batch_share(jax_mesh_devices: np.ndarray, axis_names, batch_axis: str | None
     return len(owners), (mine[0] if mine else 0)
 
 
-def local_batch_rows(global_batch_size: int, jax_mesh, batch_axis: str | None) -> slice:
+def local_batch_rows(global_batch_size: int, jax_mesh, batch_axis: SpecEntry) -> slice:
     """The rows of each global batch this process loads and feeds to Keras.
 
     Keras's JAX trainer turns every process's batch into one global array

@@ -10,6 +10,7 @@ import weakref
 
 from keras_autoshard.compat import torch_private
 from keras_autoshard.errors import TorchSetupError  # noqa: F401
+from keras_autoshard.plans.mesh import SpecEntry, entry_axes
 
 DEFAULT_TIMEOUT_S = 60
 
@@ -118,14 +119,15 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def local_batch_rows(global_batch_size: int, mesh, batch_axis: str | None) -> slice:
+def local_batch_rows(global_batch_size: int, mesh, batch_axis: SpecEntry) -> slice:
     """The rows of each global batch this rank feeds (torch ranks fill the
     mesh in row-major order, as `torch_device_mesh` lays them out).
 
     Args:
         global_batch_size: Rows in one global batch.
         mesh: The plan's `MeshSpec`.
-        batch_axis: The mesh axis the batch is split over (`None`: all rows).
+        batch_axis: The mesh axis (or tuple of axes, the first major) the
+            batch is split over (`None`: all rows).
 
     Returns:
         A slice of `range(global_batch_size)`.
@@ -133,12 +135,19 @@ def local_batch_rows(global_batch_size: int, mesh, batch_axis: str | None) -> sl
     import numpy as np
     import torch.distributed as dist
 
-    if batch_axis is None:
+    axes = entry_axes(batch_axis)
+    if not axes:
         return slice(0, global_batch_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
     coordinates = np.unravel_index(rank, mesh.shape)
-    index = int(coordinates[list(mesh.axis_names).index(batch_axis)])
-    ways = mesh.axis_size(batch_axis)
+    # The batch position: the batch axes' coordinates, the first axis major.
+    index = int(
+        np.ravel_multi_index(
+            [coordinates[list(mesh.axis_names).index(axis)] for axis in axes],
+            [mesh.axis_size(axis) for axis in axes],
+        )
+    )
+    ways = mesh.axis_size(axes)
     if global_batch_size % ways:
         raise TorchSetupError(
             f"Global batch {global_batch_size} cannot be cut into {ways} equal "

@@ -34,6 +34,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
 )
 from keras_autoshard.apply.remat import rematerialize
 from keras_autoshard.compat import keras_private
+from keras_autoshard.compat.keras_layouts import tensor_layout
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.plans.mesh import (
     DATA_AXIS,
@@ -343,9 +344,8 @@ def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
     by_slot_prefix = {}
     keys = variable_keys(model.variables)
     for variable in unique_variables(model.variables):
-        layout = TensorLayout(
-            list(distribution.plan.variable(keys[id(variable)]).spec), mesh
-        )
+        entry = distribution.plan.variable(keys[id(variable)])
+        layout = tensor_layout(entry.spec, mesh)
         move_variable(variable, layout)
         by_slot_prefix[slot_prefix(variable.path)] = (variable, layout)
     optimizer = getattr(model, "optimizer", None)

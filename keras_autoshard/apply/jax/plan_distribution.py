@@ -9,6 +9,7 @@ from keras.distribution import TensorLayout
 
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
 from keras_autoshard.compat import keras_private
+from keras_autoshard.compat.keras_layouts import tensor_layout
 from keras_autoshard.plans.identity import repeated_key
 from keras_autoshard.plans.sharding_plan import (
     PlanError,
@@ -77,7 +78,7 @@ class PlanDistribution(keras_private.distribution_base()):
         super().__init__(device_mesh, plan.batch_axis, auto_shard_dataset)
         self._plan = plan
         self._activation_layouts = {
-            a.path: TensorLayout(a.spec, device_mesh) for a in plan.activations
+            a.path: tensor_layout(a.spec, device_mesh) for a in plan.activations
         }
         self.unplanned_variables: list[str] = []
         # Path → ids of the variables created with it, where paths repeat.
@@ -108,7 +109,7 @@ class PlanDistribution(keras_private.distribution_base()):
                     "batch: drop the remainder)."
                 )
             spec[0] = self.batch_dim_name
-        return TensorLayout(spec, self.device_mesh)
+        return tensor_layout(spec, self.device_mesh)
 
     def local_batch_axis_size(self) -> int:
         """Batch-axis positions this process feeds (all of them on one process)."""
@@ -161,7 +162,7 @@ class PlanDistribution(keras_private.distribution_base()):
         problems = spec_problems(variable.path, shape, entry.spec, self._plan.mesh)
         if problems:
             raise PlanError("\n".join(problems))
-        return TensorLayout(list(entry.spec), self.device_mesh)
+        return tensor_layout(entry.spec, self.device_mesh)
 
     def get_tensor_layout(self, path: str) -> TensorLayout | None:
         return self._activation_layouts.get(path)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from keras_autoshard.plans.sharding_plan import MeshSpec
+from keras_autoshard.plans.mesh import SpecEntry, entry_axes
+from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError
 from keras_autoshard.runtime.torch_processes import (
     TorchSetupError,
     device_type,
@@ -42,39 +43,63 @@ def torch_device_mesh(mesh: MeshSpec):
     return device_mesh
 
 
-def placements_for(spec: Sequence[str | None], mesh: MeshSpec) -> list:
+def placements_for(spec: Sequence[SpecEntry], mesh: MeshSpec) -> list:
     """DTensor placements for a plan spec: one per mesh axis.
 
+    A dim cut over several mesh axes takes `Shard(dim)` on each of them;
+    DTensor cuts a dim mesh dim by mesh dim in mesh order, so the entry's
+    axes must be in the mesh's order (the first major, as in JAX).
+
     Args:
-        spec: One mesh axis name or `None` per tensor dimension.
+        spec: Per tensor dimension, a mesh axis name, a tuple of them, or
+            `None`.
         mesh: The mesh.
 
     Returns:
         `Shard(dim)` for the mesh axes the spec uses, `Replicate()` otherwise.
+
+    Raises:
+        PlanError: an entry names its axes against the mesh's order.
 
     Example:
 
     ```python
     placements_for((None, "model"), MeshSpec((2, 4), ("batch", "model")))
     # [Replicate(), Shard(dim=1)]
+    placements_for((("batch", "model"), None), MeshSpec((2, 4), ("batch", "model")))
+    # [Shard(dim=0), Shard(dim=0)]
     ```
     """
     from torch.distributed.tensor import Replicate, Shard
 
+    for dim, entry in enumerate(spec):
+        positions = [mesh.axis_names.index(axis) for axis in entry_axes(entry)]
+        if positions != sorted(positions):
+            raise PlanError(
+                f"Spec {tuple(spec)} cuts dim {dim} over mesh axes {entry} in an "
+                f"order other than the mesh's {mesh.axis_names}; DTensor cuts a "
+                "dim over several mesh axes in mesh order only. Write the entry "
+                f"as {tuple(sorted(entry, key=mesh.axis_names.index))}."
+            )
     placements = []
     for axis in mesh.axis_names:
-        dims = [dim for dim, name in enumerate(spec) if name == axis]
+        dims = [dim for dim, entry in enumerate(spec) if axis in entry_axes(entry)]
         placements.append(Shard(dims[0]) if dims else Replicate())
     return placements
 
 
-def batch_placements(mesh: MeshSpec, batch_axis: str | None) -> list:
+def batch_placements(mesh: MeshSpec, batch_axis: SpecEntry) -> list:
     """Placements of an input batch: split on `batch_axis`, else replicated."""
-    return placements_for((batch_axis,) if batch_axis else (), mesh)
+    return placements_for((batch_axis,), mesh)
 
 
-def batch_cut_on_batch_axis(value, batch_mesh_dim: int | None):
-    """A layer output with its batch dimension cut over the batch axis only
+def batch_mesh_dims(mesh: MeshSpec, batch_axis: SpecEntry) -> frozenset[int]:
+    """Indices in the mesh of the axes the batch is split over."""
+    return frozenset(mesh.axis_names.index(axis) for axis in entry_axes(batch_axis))
+
+
+def batch_cut_on_batch_axis(value, batch_dims: frozenset[int]):
+    """A layer output with its batch dimension cut over the batch axes only
     and no pending sum: over any other mesh axis, a cut of dimension 0 or a
     partial sum becomes a replica (other cuts, and values that are not
     DTensors, are left as they are).
@@ -86,7 +111,7 @@ def batch_cut_on_batch_axis(value, batch_mesh_dim: int | None):
 
     Args:
         value: Anything a layer returns.
-        batch_mesh_dim: Index of the batch axis in the mesh, or `None`.
+        batch_dims: Indices in the mesh of the batch axes (`batch_mesh_dims`).
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -94,7 +119,7 @@ def batch_cut_on_batch_axis(value, batch_mesh_dim: int | None):
         return value
     placements = [
         Replicate()
-        if index != batch_mesh_dim and (placement.is_partial() or placement.is_shard(0))
+        if index not in batch_dims and (placement.is_partial() or placement.is_shard(0))
         else placement
         for index, placement in enumerate(value.placements)
     ]

@@ -23,6 +23,7 @@ from keras import tree
 
 from keras_autoshard.apply.torch.dtensor_layout import (
     batch_cut_on_batch_axis,
+    batch_mesh_dims,
     batch_placements,
 )
 from keras_autoshard.apply.torch.sharded_state import (
@@ -94,9 +95,8 @@ class TorchShardedModel(keras.Model):
         self._output_hooks = ()
         if not keras_private.torch_attention_on_local_blocks():
             return
-        names = plan.mesh.axis_names
-        axis = names.index(plan.batch_axis) if plan.batch_axis in names else None
-        hook = functools.partial(_outputs_cut_alike, axis)
+        batch_dims = batch_mesh_dims(plan.mesh, plan.batch_axis)
+        hook = functools.partial(_outputs_cut_alike, batch_dims)
         self._output_hooks = tuple(
             layer.register_forward_hook(hook)
             for layer in keras_private.all_layers(self.inner)
@@ -160,11 +160,11 @@ class TorchShardedModel(keras.Model):
             )
 
 
-def _outputs_cut_alike(batch_mesh_dim, layer, args, outputs):
+def _outputs_cut_alike(batch_dims, layer, args, outputs):
     """Forward hook: `outputs` with `batch_cut_on_batch_axis`, or `None`
     (kept as they are) when no output changes."""
     flat = tree.flatten(outputs)
-    cut = [batch_cut_on_batch_axis(value, batch_mesh_dim) for value in flat]
+    cut = [batch_cut_on_batch_axis(value, batch_dims) for value in flat]
     if all(new is old for new, old in zip(cut, flat)):
         return None
     return tree.pack_sequence_as(outputs, cut)
