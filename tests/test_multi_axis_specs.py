@@ -171,3 +171,31 @@ def test_a_planner_rule_with_a_multi_axis_entry_is_an_error_naming_it():
             sample_input=x,
             rules={"w/kernel": (None, EVERY_AXIS)},
         )
+
+
+def test_a_checkpoint_saved_under_a_multi_axis_plan_restores_bit_exactly(tmp_path):
+    # Saved with its plan (tuple entries stored as JSON lists), restored onto
+    # the Megatron layout of the same mesh, and back onto the multi-axis one.
+    from keras_autoshard import restore_checkpoint, save_checkpoint
+    from tests.test_checkpoint_orbax import (
+        assert_same_state,
+        compiled_mlp,
+        mlp_plan,
+        state_arrays,
+        trained_mlp,
+    )
+
+    plan = multi_axis_plan()
+    source = trained_mlp(PlanDistribution(plan))
+    expected = state_arrays(source)
+    save_checkpoint(source, tmp_path / "ckpt", step=2, plan=plan)
+    megatron = compiled_mlp(PlanDistribution(mlp_plan(MESH)), seed=7)
+    restored = restore_checkpoint(megatron, tmp_path / "ckpt")
+    assert restored.plan == plan and restored.plan.batch_axis == EVERY_AXIS
+    assert_same_state(megatron, expected)
+    save_checkpoint(megatron, tmp_path / "megatron", step=3)
+    again = compiled_mlp(PlanDistribution(plan), seed=8)
+    restore_checkpoint(again, tmp_path / "megatron")
+    assert_same_state(again, expected)
+    kernel = again.get_layer("up").kernel.value
+    assert {s.data.shape for s in kernel.addressable_shards} == {(64 // 8, 256)}
