@@ -133,7 +133,7 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
 def _pins(graph, sharding_plan, data_axes: set[str]):
     """The search's pins for every variable of the plan (see
     `pinned_estimate`): the computed axis of each class, the storage cuts."""
-    from keras_autoshard.planner.search import Pins
+    from keras_autoshard.planner.pins import Pins
 
     params = {t.name: t for t in graph.params()}
     dims = [

@@ -90,10 +90,25 @@ def narrow_depthwise_model():
     return keras.Model(inputs, keras.layers.Dense(8, name="down")(hidden))
 
 
-def test_a_depthwise_conv_whose_channels_do_not_divide_keeps_the_batch_whole():
+def test_a_depthwise_conv_whose_channels_do_not_divide_cuts_the_batch_everywhere():
+    # The channels (6) cannot take 'model' (4), so the batch cut over 'batch'
+    # alone would break the filter gradient: it is cut over both axes
+    # (`MeshAxis.spanning`, tests/test_spanning_batch.py), where it was kept
+    # whole before.
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 16, 8)).astype("float32")
     y = rng.standard_normal((8, 16, 8)).astype("float32")
+    dist = ka.AutoShardDistribution(device_mesh=MESH_2x4)
+    check_parity(narrow_depthwise_model, dist, x, y, steps=3)
+    assert dist.plan.batch_axis == ("batch", "model")
+    assert not [n for n in dist.plan.notes if n.startswith("The batch of")]
+
+
+def test_a_batch_no_axis_spanning_the_mesh_divides_is_kept_whole_and_said():
+    # 4 rows: 'batch' (2) divides them, both axes together (8) do not.
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 16, 8)).astype("float32")
+    y = rng.standard_normal((4, 16, 8)).astype("float32")
     dist = ka.AutoShardDistribution(device_mesh=MESH_2x4)
     with pytest.warns(UserWarning, match="grouped convolution in layer 'mix'"):
         check_parity(narrow_depthwise_model, dist, x, y, steps=3)

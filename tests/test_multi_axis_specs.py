@@ -199,3 +199,10 @@ def test_a_checkpoint_saved_under_a_multi_axis_plan_restores_bit_exactly(tmp_pat
     assert_same_state(again, expected)
     kernel = again.get_layer("up").kernel.value
     assert {s.data.shape for s in kernel.addressable_shards} == {(64 // 8, 256)}
+
+
+def test_the_table_spelling_of_an_entry_reads_back_as_the_tuple():
+    entry = VariableSharding("k", (8, 8), "float32", ("batch+model", None))
+    assert entry.spec == (EVERY_AXIS, None)
+    with pytest.raises(PlanError, match="may not contain '\\+'"):
+        MeshSpec((2, 4), ("data+x", "model"))

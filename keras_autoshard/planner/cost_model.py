@@ -41,12 +41,15 @@ class MeshAxis:
             named batch/data/dp/fsdp/replica are data axes.
         model_only: A tensor-parallel axis: it never shards the batch. Axes
             named model/tensor/tp/mp are model axes. Other names: free.
+        members: For an axis spanning several mesh axes (`spanning`), their
+            names, the first major; empty for a mesh axis.
     """
 
     name: str
     size: int
     data_only: bool = False
     model_only: bool = False
+    members: tuple[str, ...] = ()
 
     @classmethod
     def named(cls, name: str, size: int) -> MeshAxis:
@@ -57,6 +60,33 @@ class MeshAxis:
             data_only=lowered in DATA_AXIS_NAMES,
             model_only=lowered in MODEL_AXIS_NAMES,
         )
+
+    @classmethod
+    def spanning(cls, axes: tuple[MeshAxis, ...]) -> MeshAxis:
+        """One axis over all of `axes` at once (the first major): a dim it
+        cuts is cut over every device of their product. Named as a plan
+        spells the spec entry (`"batch+model"`); it cuts only the batch."""
+        return cls(
+            "+".join(a.name for a in axes),
+            math.prod(a.size for a in axes),
+            members=tuple(a.name for a in axes),
+        )
+
+    @property
+    def covers(self) -> tuple[str, ...]:
+        """The mesh axes a cut over this axis uses (itself, or its members)."""
+        return self.members or (self.name,)
+
+
+def mesh_axes(axes: tuple[MeshAxis, ...]) -> tuple[MeshAxis, ...]:
+    """The axes of the mesh itself (no spanning axis)."""
+    return tuple(a for a in axes if not a.members)
+
+
+def covering(axes: tuple[MeshAxis, ...], name: str) -> tuple[MeshAxis, ...]:
+    """The axes of `axes` whose cut uses mesh axis `name` (it and spanning
+    axes over it)."""
+    return tuple(a for a in axes if name in a.covers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +379,7 @@ class TableExchange:
 
 def offers_table_exchanges(axes: tuple[MeshAxis, ...]) -> bool:
     """Whether `TableExchange` applies on a mesh: one axis (> 1), a data axis."""
+    axes = mesh_axes(axes)
     return len(axes) == 1 and axes[0].data_only
 
 
@@ -459,14 +490,23 @@ def evaluate(
             if saving > 0 and table_exchange_applies(graph, exchange, assignment, axis):
                 by_axis[axis] -= saving
     replicated = 0.0
+    covers = {a.name: a.covers for a in axes}
+    devices = math.prod(a.size for a in mesh_axes(axes))
     for event in graph.comm_events:
         if event.kind != "contract" or event.phase != "forward":
             continue
-        used = set(_axes_of(iteration_classes(graph, event), assignment))
+        used = {
+            name
+            for axis in _axes_of(iteration_classes(graph, event), assignment)
+            for name in covers[axis]
+        }
         flops = contraction_flops(graph, event)
-        for axis in sizes:
-            if axis not in used:
-                replicated += flops * (1 - 1 / sizes[axis]) / math.prod(sizes.values())
+        for axis in mesh_axes(axes):
+            if axis.name not in used:
+                replicated += flops * (1 - 1 / axis.size) / devices
+    # An axis spanning the mesh's is listed where it moves bytes.
+    own = {a.name for a in mesh_axes(axes)}
+    by_axis = {axis: moved for axis, moved in by_axis.items() if moved or axis in own}
     return PlanCost(
         parameter_bytes=int(param_bytes),
         gradient_bytes=int(grad_bytes),

@@ -6,12 +6,13 @@ from __future__ import annotations
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import Assignment, PlanCost
 from keras_autoshard.planner.search import batch_carrying_classes
-from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes
 from keras_autoshard.plans.plan_table import format_bytes
 
 
 def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> list[str]:
-    """Why the batch is not split over the mesh's data axes, when it is not.
+    """Why the batch is not split over the mesh's data axes, when it is not,
+    or is cut over every mesh axis (`MeshAxis.spanning`).
 
     Args:
         graph: The model's axis graph.
@@ -20,7 +21,8 @@ def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> lis
 
     Returns:
         One note per input whose batch dim stays whole on a data axis of
-        size > 1, naming the input, its batch size and what kept it whole.
+        size > 1, naming the input, its batch size and what kept it whole;
+        one per input whose batch is cut over every axis, saying why.
     """
     data_axes = {
         name: size
@@ -35,9 +37,18 @@ def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> lis
         if tensor.kind != "input" or not tensor.dim_classes:
             continue
         cls_id = tensor.dim_classes[0]
-        if cls_id is not None and assignment.class_axis.get(cls_id) in data_axes:
-            continue
+        cut_over = entry_axes(assignment.class_axis.get(cls_id))
         batch = tensor.shape[0] if tensor.shape else 1
+        if len(cut_over) > 1:
+            why = _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying)
+            notes.append(
+                f"Input {tensor.name!r}: its batch ({batch} rows) is cut over "
+                f"every mesh axis ({'+'.join(cut_over)!r}), since cut over "
+                f"{_listed([repr(n) for n in data_axes])} alone it could not be: {why}"
+            )
+            continue
+        if cls_id is not None and set(cut_over) & set(data_axes):
+            continue
         axes_text = ", ".join(f"{n!r} (size {s})" for n, s in data_axes.items())
         why = _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying)
         notes.append(

@@ -42,8 +42,9 @@ from keras_autoshard.planner.memory_model import (
     compute_flops_per_device,
     estimate_memory,
 )
+from keras_autoshard.planner.pins import Pins
 from keras_autoshard.planner.remat import layer_calls, remat_families
-from keras_autoshard.planner.search import Pins, search
+from keras_autoshard.planner.search import search
 from keras_autoshard.planner.sequence_parallel import (
     SequenceCut,
     sequence_cut,
@@ -473,7 +474,9 @@ def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
 
 
 def _data_axes(axes: tuple[MeshAxis, ...]) -> set[str]:
-    return {a.name for a in axes if a.data_only}
+    """Axes whose collectives reduce the batch's gradients (data axes, and
+    axes spanning several mesh axes, which cut only the batch)."""
+    return {a.name for a in axes if a.data_only or a.members}
 
 
 # Ends a lever the user asked for rather than one chosen to fit.

@@ -34,8 +34,8 @@ from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import JOBS, batch_axis
 from keras_autoshard.planner.notes import memory_note, no_fit_message, uneven_state_note
 from keras_autoshard.planner.output_layouts import output_layouts
+from keras_autoshard.planner.pins import Pins
 from keras_autoshard.planner.roles import class_roles
-from keras_autoshard.planner.search import Pins
 from keras_autoshard.planner.sequence_parallel import SequenceCut
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES, entry_axes, spec_axes
@@ -337,11 +337,14 @@ def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
 
 
 def _mesh_axes(mesh: MeshSpec) -> tuple[MeshAxis, ...]:
-    return tuple(
+    """The mesh's axes of size > 1, and where there are several, one axis
+    spanning all of them (the batch cut over every device)."""
+    axes = tuple(
         MeshAxis.named(name, size)
         for name, size in zip(mesh.axis_names, mesh.shape)
         if size > 1
     )
+    return axes + ((MeshAxis.spanning(axes),) if len(axes) > 1 else ())
 
 
 def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):

@@ -13,14 +13,15 @@ of a step (`peak_budget.py`), is a constraint.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
-from keras_autoshard.planner.batch_classes import batch_carrying_classes
+from keras_autoshard.planner.batch_classes import (
+    batch_carrying_classes,
+    eligible_classes,
+)
 from keras_autoshard.planner.batch_classes import (
     input_batch_classes as batch_input_classes,
 )
@@ -29,12 +30,15 @@ from keras_autoshard.planner.cost_model import (
     MeshAxis,
     PlannerOptions,
     contraction_flops,
+    covering,
     iteration_classes,
+    mesh_axes,
     offers_table_exchanges,
     table_exchanges,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError, LinearProgram
 from keras_autoshard.planner.peak_budget import add_peak_budget
+from keras_autoshard.planner.pins import Pins
 from keras_autoshard.planner.symmetry import repeated_blocks
 
 logger = logging.getLogger(__name__)
@@ -47,23 +51,6 @@ _TIE_BREAK_BYTES = 1.0
 # with this limit it stops there after 15 s (planning 24.7 s). A search that
 # reaches it uses its best plan found and logs "MILP stopped early".
 BUDGET_NODE_LIMIT = 50
-
-
-@dataclasses.dataclass(frozen=True)
-class Pins:
-    """Choices fixed before the search (from user rules).
-
-    Args:
-        class_axis: Class id → mesh axis name, or None to forbid sharding it.
-        fsdp: Parameter name → ((dim, axis), ...) storage sharding to force.
-        no_fsdp: Parameter names whose storage must follow `class_axis` only.
-    """
-
-    class_axis: Mapping[int, str | None] = dataclasses.field(default_factory=dict)
-    fsdp: Mapping[str, tuple[tuple[int, str], ...]] = dataclasses.field(
-        default_factory=dict
-    )
-    no_fsdp: frozenset[str] = frozenset()
 
 
 class _Program:
@@ -84,7 +71,7 @@ class _Program:
 
     # ------------------------------------------------------------ variables
     def add_class_vars(self) -> None:
-        eligible = _eligible_classes(self.graph)
+        eligible = eligible_classes(self.graph)
         input_batch_classes = batch_input_classes(self.graph)
         batch_classes = batch_carrying_classes(self.graph)
         for cls in self.graph.classes:
@@ -93,28 +80,32 @@ class _Program:
             for axis in self.axes:
                 if cls.size % axis.size:
                     continue
-                if axis.data_only and cls.id not in batch_classes:
+                if (axis.data_only or axis.members) and cls.id not in batch_classes:
                     continue
                 if axis.model_only and cls.id in batch_classes:
                     continue
                 pinned = self.pins.class_axis.get(cls.id, "free")
                 if pinned != "free" and pinned != axis.name:
                     continue
-                # A data axis splits the batch whenever the batch divides:
-                # forced, or (when forcing it cannot hold) strongly preferred.
-                splits_batch = (
-                    axis.data_only
-                    and pinned == "free"
-                    and cls.id in input_batch_classes
-                )
-                forced = pinned == axis.name or (
-                    splits_batch and self.batch_split == "forced"
-                )
-                lower = 1.0 if forced else 0.0
+                lower = 1.0 if pinned == axis.name else 0.0
                 var = self.lp.add_var(cost=_TIE_BREAK_BYTES, lower=lower, integer=True)
                 self.x[(cls.id, axis.name)] = var
-                if splits_batch:
-                    self.batch_vars.append(var)
+            # Each data axis splits the batch whenever the batch divides (by
+            # itself or within an axis spanning it): forced, or (when forcing
+            # it cannot hold) strongly preferred.
+            if cls.id not in input_batch_classes or cls.id in self.pins.class_axis:
+                continue
+            for data_axis in self.axes:
+                if not data_axis.data_only:
+                    continue
+                splits = [
+                    self.x[(cls.id, a.name)]
+                    for a in covering(self.axes, data_axis.name)
+                    if (cls.id, a.name) in self.x
+                ]
+                if splits and self.batch_split == "forced":
+                    self.lp.add_row(dict.fromkeys(splits, 1.0), lower=1.0)
+                self.batch_vars += splits
         for cls_id, axis in self.pins.class_axis.items():
             if axis is not None and (cls_id, axis) not in self.x:
                 raise InfeasibleError(
@@ -142,9 +133,9 @@ class _Program:
                 continue
             forced = {a: d for d, a in self.pins.fsdp.get(tensor.name, ())}
             if tensor.id in unread and not forced and not self._pinned(tensor):
-                forced = _free_cut(tensor, self.axes)
+                forced = _free_cut(tensor, mesh_axes(self.axes))
             vars_by_dim: dict[int, list[int]] = {}
-            for axis in self.axes:
+            for axis in mesh_axes(self.axes):
                 dims = (
                     [forced[axis.name]]
                     if axis.name in forced
@@ -155,11 +146,13 @@ class _Program:
                 if not by_dim:
                     continue
                 self.y[(tensor.name, axis.name)] = by_dim
-                # One dim per axis, and only an axis the classes do not use.
+                # One dim per axis, and only an axis the classes do not use
+                # (by itself or within an axis spanning it).
                 row = dict.fromkeys(by_dim.values(), 1.0)
                 for c in set(tensor.dim_classes) - {None}:
-                    if (c, axis.name) in self.x:
-                        row[self.x[(c, axis.name)]] = 1.0
+                    for used in covering(self.axes, axis.name):
+                        if (c, used.name) in self.x:
+                            row[self.x[(c, used.name)]] = 1.0
                 self.lp.add_row(row, upper=1.0)
                 for d, var in by_dim.items():
                     vars_by_dim.setdefault(d, []).append(var)
@@ -179,11 +172,13 @@ class _Program:
             if len(classes) < 2 or classes in seen:
                 continue
             seen.add(classes)
-            for axis in self.axes:
+            # Each mesh axis cuts at most one dim, by itself or spanned.
+            for axis in mesh_axes(self.axes):
                 row = {
-                    self.x[(c, axis.name)]: 1.0
+                    self.x[(c, used.name)]: 1.0
                     for c in classes
-                    if (c, axis.name) in self.x
+                    for used in covering(self.axes, axis.name)
+                    if (c, used.name) in self.x
                 }
                 if len(row) > 1:
                     self.lp.add_row(row, upper=1.0)
@@ -202,11 +197,12 @@ class _Program:
                     cut = self.x.get((cls, cut_axis.name))
                     if cut is None:
                         continue
-                    for axis in self.axes:
+                    for axis in mesh_axes(self.axes):
                         row = {
-                            self.x[(c, axis.name)]: 1.0
+                            self.x[(c, used.name)]: 1.0
                             for c in classes
-                            if (c, axis.name) in self.x
+                            for used in covering(self.axes, axis.name)
+                            if (c, used.name) in self.x
                         }
                         row[cut] = row.get(cut, 0.0) - 1.0
                         self.lp.add_row(row, lower=0.0)
@@ -404,7 +400,7 @@ class _Program:
                     self.lp.add_row({trade: 1.0, var: 1.0}, upper=1.0)
 
     def add_replicated_math_penalty(self) -> None:
-        device_count = math.prod(self.sizes.values())
+        device_count = math.prod(a.size for a in mesh_axes(self.axes))
         for event in self.graph.comm_events:
             if event.kind != "contract" or event.phase != "forward":
                 continue
@@ -416,10 +412,12 @@ class _Program:
                 ]
                 if not xs:
                     continue
+                # The mesh axes it splits the work over (`evaluate`'s sum).
+                split_share = sum(1 - 1 / self.sizes[name] for name in axis.covers)
                 penalty = (
                     self.options.replicated_flop_cost
                     * flops
-                    * (1 - 1 / axis.size)
+                    * split_share
                     / device_count
                 )
                 split = self.lp.add_var(cost=-penalty)
@@ -487,9 +485,37 @@ def search(
     Returns:
         The optimal `Assignment` (raises `InfeasibleError` if none fits).
         Every input's batch dim is split over the data axes when that can
-        hold; when it cannot (an op that mixes the batch with other dims, a
-        batch that does not divide), the best plan that leaves it whole.
+        hold; where it cannot on the mesh's own axes (a grouped convolution
+        whose channels the other axes cannot take), over an axis spanning
+        all of them (`MeshAxis.spanning`) when that holds; otherwise (an op
+        that mixes the batch with other dims, a batch that does not divide)
+        the best plan that leaves it whole.
     """
+    own = mesh_axes(axes)
+    found = _search_attempts(graph, own, options, pins, remat, micro_batches)
+    if own == axes or _splits_batch(graph, own, found):
+        return found
+    try:
+        wider = _search_attempts(graph, axes, options, pins, remat, micro_batches)
+    except InfeasibleError:
+        return found
+    return wider if _splits_batch(graph, axes, wider) else found
+
+
+def _splits_batch(graph, axes, assignment: Assignment) -> bool:
+    """Whether every input's batch is cut over every data axis of `axes`."""
+    covers = {a.name: a.covers for a in axes}
+    data = [a.name for a in axes if a.data_only]
+    for cls in batch_input_classes(graph):
+        cut = covers.get(assignment.class_axis.get(cls), ())
+        if any(name not in cut for name in data):
+            return False
+    return True
+
+
+def _search_attempts(graph, axes, options, pins, remat, micro_batches) -> Assignment:
+    """`_solve` with the batch split forced, else preferred, with identical
+    blocks tied, else free."""
     attempts = [("forced", True), ("preferred", True), ("preferred", False)]
     for position, (batch_split, symmetric) in enumerate(attempts):
         try:
@@ -525,6 +551,10 @@ def _solve(
     remat=frozenset(),
     micro_batches=1,
 ) -> Assignment:
+    if micro_batches > 1:
+        # A micro-batch's rows must divide over the batch's cut; the data
+        # axes' (`levers.accumulation_options`), not a spanning axis's.
+        axes = mesh_axes(axes)
     program = _Program(graph, axes, options, pins, batch_split)
     program.add_class_vars()
     program.add_fsdp_vars()
@@ -543,31 +573,6 @@ def _solve(
         len(program.lp.rows),
     )
     return program.solve()
-
-
-def _eligible_classes(graph: AxisGraph) -> set[int]:
-    """Classes a plan can cut: those of parameters (their layouts carry the
-    cut into the program) and every class that carries the batch (the data
-    layout does). A class with no variable stays whole, and a slice edge
-    into it keeps its source whole too: a batch class left out (the
-    `b·windows` dim between two reshapes that no contraction names) would
-    keep the whole batch from being split. Classes those reach through
-    slice edges are offered too. A class of activations alone (a sequence)
-    is not offered: nothing in the applied plan lays it out, so
-    XLA computes it whole on every device (measured: a 6-block MLP planned
-    with its sequence on 'model' compiled to 6x the estimated peak)."""
-    eligible = set(batch_carrying_classes(graph))
-    for tensor in graph.tensors:
-        if tensor.kind == "param":
-            eligible.update(c for c in tensor.dim_classes if c is not None)
-    # A class a cut one reaches through a reshape split or a slice (the
-    # heads of a projection's output) takes that cut in the program too.
-    grown = True
-    while grown:
-        reached = {e.target for e in graph.slice_edges if e.source in eligible}
-        grown = not reached <= eligible
-        eligible |= reached
-    return eligible
 
 
 def _free_cut(tensor: TensorNode, axes: tuple[MeshAxis, ...]) -> dict[str, int]:

@@ -132,10 +132,18 @@ def sequence_cut(
             "that keeps activations for the backward pass (it applies to "
             "repeated layers such as transformer layers)."
         )
-    elif not any(not a.data_only for a in axes):
+    elif not any(not a.data_only and not a.members for a in axes):
         notes.append(
             "Sequence parallelism not applied: the mesh has no "
             "tensor-parallel axis (every axis of size > 1 is a data axis)."
+        )
+        families = []
+    elif spanned := sorted(
+        {a.name for a in axes if a.members} & set(assignment.class_axis.values())
+    ):
+        notes.append(
+            "Sequence parallelism not applied: the batch is cut over "
+            f"{spanned[0]!r}, every mesh axis, so no axis is left for the tokens."
         )
         families = []
     for family in families:
@@ -298,7 +306,7 @@ def _family_axis(
 ) -> tuple[str | None, str | None]:
     """The axis that cuts every matrix parameter of the family's layers, or
     `(None, reason)`."""
-    model_axes = {a.name for a in axes if not a.data_only}
+    model_axes = {a.name for a in axes if not a.data_only and not a.members}
     readers = dict(graph.param_readers)
     params = [
         graph.tensors[tid]

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import Assignment, tensor_axes
+from keras_autoshard.plans.mesh import entry_axes
 
 
 def stream_drift(graph: AxisGraph, assignment: Assignment) -> StreamDrift:
@@ -95,9 +96,9 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
     Returns:
         Axis class → the mesh axis its activations are held cut over.
     """
-    token_axes = {
+    token_axes = _names(
         assignment.class_axis.get(c) for c in batch_carrying_classes(graph)
-    } - {None}
+    )
     # A table read by a gather (or its cast, under mixed precision) is
     # gathered where it is read.
     cast_of = dict(graph.param_casts)
@@ -176,14 +177,14 @@ def held_as_partitioned(
         else:
             continue
         # The axes its dims take, those of a merged run's cut included.
-        used = set(tensor_axes(tensor, assignment))
-        used.update(axis for _, axis in cuts.get(tensor.id, ()))
+        used = _names(tensor_axes(tensor, assignment))
+        used.update(_names(axis for _, axis in cuts.get(tensor.id, ())))
         added = []
         for dim, cls in enumerate(tensor.dim_classes):
             axis = reaching.get(cls)
-            if axis is not None and axis not in used:
+            if axis is not None and not _names([axis]) & used:
                 added.append((dim, axis))
-                used.add(axis)
+                used.update(_names([axis]))
         if added:
             cuts[tensor.id] = tuple(cuts.get(tensor.id, ())) + tuple(added)
     return dataclasses.replace(assignment, activation_cuts=cuts)
@@ -229,7 +230,8 @@ def merged_group_cuts(
                 continue
             for target in merged_into[cls]:
                 axis = assignment.class_axis.get(target)
-                if axis is None or axis in axes or axis in dict(added).values():
+                taken = _names([*axes, *dict(added).values()])
+                if axis is None or _names([axis]) & taken:
                     continue
                 run = _run_of(tensor.shape, dim, graph.classes[target].size)
                 if run is not None and run % sizes[axis] == 0:
@@ -253,3 +255,9 @@ def _run_of(shape: tuple[int, ...], dim: int, merged: int) -> int | None:
         if product > merged:
             return None
     return None
+
+
+def _names(axes) -> set[str]:
+    """The mesh axes cutting dims over `axes` (names, `None`s, and axes
+    spanning several mesh axes, `"batch+model"`) use."""
+    return {name for axis in axes for name in entry_axes(axis)}

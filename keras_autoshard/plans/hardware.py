@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_autoshard.errors import PlanError
+from keras_autoshard.plans.mesh import entry_axes
 
 GiB = 2**30
 GB = 10**9
@@ -217,7 +218,10 @@ def step_time_s(
     """Compute at the profile's peak FLOP/s plus each axis's communication
     at its bandwidth (no overlap: an upper bound of the step time)."""
     bandwidths = axis_bandwidths(profile, axis_names, shape)
+    # A collective over several axes at once (`"batch+model"`) runs at the
+    # slowest of them.
     moving = sum(
-        bytes_ / bandwidths[axis] for axis, bytes_ in communication_by_axis.items()
+        bytes_ / min(bandwidths[name] for name in entry_axes(axis))
+        for axis, bytes_ in communication_by_axis.items()
     )
     return compute_flops / profile.peak_bf16_flops + moving

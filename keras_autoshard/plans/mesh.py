@@ -31,6 +31,9 @@ MODEL_AXIS_NAMES = frozenset({"model", "tensor", "tp", "mp"})
 SpecEntry = str | tuple[str, ...] | None
 # One `SpecEntry` per tensor dimension.
 Spec = Sequence[SpecEntry]
+# Joins the axes of a multi-axis entry in text (`"batch+model"`); mesh axis
+# names may not contain it.
+SPANNING_SEPARATOR = "+"
 
 # Bytes per element for dtype names as Keras spells them.
 _DTYPE_BYTES = {
@@ -67,6 +70,7 @@ def entry_axes(entry: SpecEntry | Sequence[str]) -> tuple[str, ...]:
 
     ```python
     entry_axes(("batch", "model"))  # ("batch", "model")
+    entry_axes("batch+model")  # ("batch", "model"), as tables print it
     entry_axes("model")  # ("model",)
     entry_axes(None)  # ()
     ```
@@ -74,7 +78,7 @@ def entry_axes(entry: SpecEntry | Sequence[str]) -> tuple[str, ...]:
     if entry is None:
         return ()
     if isinstance(entry, str):
-        return (entry,)
+        return tuple(entry.split(SPANNING_SEPARATOR))
     return tuple(str(a) for a in entry)
 
 
@@ -115,7 +119,7 @@ def spec_axes(spec: Sequence) -> tuple[str, ...]:
 def entry_text(entry: SpecEntry) -> str:
     """A spec entry as the tables print it: `-`, `model`, `batch+model`."""
     axes = entry_axes(entry)
-    return "+".join(axes) if axes else "-"
+    return SPANNING_SEPARATOR.join(axes) if axes else "-"
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -159,6 +163,12 @@ class MeshSpec:
             raise PlanError(
                 f"Mesh shape {self.shape} has {len(self.shape)} axes but "
                 f"{len(self.axis_names)} axis names {self.axis_names} were given."
+            )
+        joined = [name for name in self.axis_names if SPANNING_SEPARATOR in name]
+        if joined:
+            raise PlanError(
+                f"Mesh axis names may not contain {SPANNING_SEPARATOR!r} (it joins "
+                f"the axes of a multi-axis spec entry): {joined}."
             )
         if len(set(self.axis_names)) != len(self.axis_names):
             raise PlanError(f"Mesh axis names must be distinct: {self.axis_names}.")
