@@ -71,3 +71,30 @@ def test_convnext_tiny_cuts_its_batch_over_every_axis_and_trains_like_one_device
     check_parity(convnext, dist, x, y, steps=2)
     assert dist.plan.batch_axis == EVERY_AXIS, dist.plan.notes
     _assert_every_device_has_its_own_rows(dist, x)
+
+
+def test_the_spanning_batch_compiles_to_one_gradient_all_reduce_over_every_device():
+    # Read off the optimized HLO: the gradients' all-reduce spans both axes,
+    # nothing runs over one axis alone, and its operand bytes are the whole
+    # model's gradients (float32) and the loss (a float32 scalar), which the
+    # estimate's communication over 'batch+model' predicts.
+    from keras_autoshard import inspect_compiled
+    from keras_autoshard.report.estimate_check import check_train_step
+
+    x, y = _batch((8, 8, 8, 3), 10)
+    dist = ka.AutoShardDistribution(device_mesh=MESH_2x4)
+    with dist.scope():
+        model = narrow_depthwise_image_model()
+        model.compile(optimizer="adam", loss="mse")
+    report = inspect_compiled(model, dist, (x, y), with_forward_step=False)
+    step = report.train_step
+    assert dist.plan.batch_axis == EVERY_AXIS
+    assert step.count("all-reduce", EVERY_AXIS) >= 1
+    assert step.operand_bytes(mesh_axes=("batch",)) == 0
+    assert step.operand_bytes(mesh_axes=("model",)) == 0
+    gradient_bytes = sum(v.total_bytes for v in dist.plan.variables)
+    assert step.operand_bytes(mesh_axes=EVERY_AXIS) == gradient_bytes + 4
+    estimated = dist.plan.estimate.communication_by_axis["batch+model"]
+    assert estimated == gradient_bytes
+    (check,) = check_train_step({"communication over batch+model": estimated}, step)
+    assert check.compiled_bytes == gradient_bytes + 4 and not check.flagged

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 from rich.table import Table
 
+from keras_autoshard.plans.mesh import entry_axes
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.report.compiled_report import CompiledReport, CompiledStep
 
@@ -167,7 +168,8 @@ def check_train_step(
     for quantity, estimated in estimates.items():
         if quantity.startswith("communication over "):
             axis = quantity.removeprefix("communication over ")
-            actual = train_step.operand_bytes(mesh_axes=(axis,))
+            # An axis spanning several ("batch+model"): collectives over all.
+            actual = train_step.operand_bytes(mesh_axes=entry_axes(axis))
         elif quantity in figures:
             actual = figures[quantity]
         else:
