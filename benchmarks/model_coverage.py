@@ -61,6 +61,7 @@ from keras_autoshard import (  # noqa: E402
     names_replayed_after,
     plan,
 )
+from keras_autoshard.plans.mesh import SpecEntry, entry_axes, entry_text  # noqa: E402
 
 SECTION_NAME = "model-coverage"
 DATA_AXIS = "batch"
@@ -123,7 +124,8 @@ class CoverageRow:
         sharded_share: Share of those bytes in variables cut over some axis.
         per_device_over_ideal: Parameter bytes on the fullest device ÷
             (parameter bytes ÷ devices), from the addressable shards.
-        batch_axis: The mesh axis the batch is split over, or None.
+        batch_axis: The mesh axis (or tuple of axes) the batch is split
+            over, or None.
         batch_note: Why the batch is kept whole ("" when split).
         parity: Largest relative error over the forward outputs.
         train: The training step's parity, where the check ran one
@@ -138,7 +140,7 @@ class CoverageRow:
     parameter_bytes: int = 0
     sharded_share: float = 0.0
     per_device_over_ideal: float = 0.0
-    batch_axis: str | None = None
+    batch_axis: SpecEntry = None
     batch_note: str = ""
     parity: float = float("nan")
     train: TrainStepParity | None = None
@@ -510,12 +512,25 @@ def render(rows: Sequence[CoverageRow], command: str) -> str:
             if row.status == "ok" and row.batch_axis is None and row.mesh != "1x8"
         }
     )
+    spanning = sorted(
+        {
+            row.class_name
+            for row in rows
+            if row.status == "ok" and len(entry_axes(row.batch_axis)) > 1
+        }
+    )
     summary = f"{ok} of {len(rows)} class × mesh rows pass"
     if failing:
         summary += f"; the others fail with the error shown ({', '.join(failing)})"
     if whole:
         summary += "; the batch is kept whole, for the reason shown, in " + ", ".join(
             whole
+        )
+    if spanning:
+        summary += (
+            "; the batch is cut over every axis of 2x4 (`batch+model`: a grouped "
+            "convolution's channels cannot take 'model', and XLA needs every "
+            "axis to cut its input) in " + ", ".join(spanning)
         )
     return (
         "## Model coverage: every exported KerasHub backbone\n\n"
@@ -532,8 +547,7 @@ def render(rows: Sequence[CoverageRow], command: str) -> str:
         "why it is kept whole; `parity`: largest relative error of any output. "
         "On 1x8 (no data axis) the planner's objective today is communication "
         "bytes only, which replication does not add to, so small models stay "
-        "replicated there; budgeting memory is the next step (see the open "
-        "issue on plans that fit).\n\n"
+        "replicated there (pricing compute on every mesh is open work).\n\n"
         f"{summary}.\n\n{table}\n"
     )
 
@@ -553,7 +567,7 @@ def _measured(row: CoverageRow) -> list[str]:
 
 def _batch_cell(row: CoverageRow) -> str:
     if row.batch_axis is not None:
-        return row.batch_axis
+        return entry_text(row.batch_axis)
     if MESHES[row.mesh].shape[0] == 1:
         return "— (no data axis)"
     why = (
