@@ -75,6 +75,7 @@ def test_multi_axis_entries_survive_json_tables_and_layout_maps():
     assert "(batch+model, -)" in table and "(-, model+batch)" in table
     assert "batch on 'batch+model'" in table
     assert "up/kernel [?, ?] -> (batch+model, -)" in plan.explain()
+    assert "batch on 'batch+model'" in plan.explain().splitlines()[0]
     layout_map = plan.to_layout_map(make_device_mesh(MESH))
     spec = layout_map["up/kernel"].backend_layout.spec
     assert spec == PartitionSpec(EVERY_AXIS, None)

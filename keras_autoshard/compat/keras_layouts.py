@@ -9,7 +9,8 @@ names and `None`s, and otherwise an instance of a `TensorLayout` subclass
 whose check accepts a tuple of the mesh's names. Keras is imported inside the
 functions, never at import time.
 
-Private: `TensorLayout._validate_axes` (overridden by the subclass).
+Private: `TensorLayout._validate_axes` (overridden by the subclass), checked
+on keras 3.15.1.
 If it changes: Keras rejects a multi-axis entry ("Invalid axis names") when
 the layout is made; `missing_privates()` reports it (`keras_checks`).
 """
@@ -44,9 +45,8 @@ def tensor_layout(spec: Sequence, device_mesh=None) -> Any:
     """
     from keras.distribution import TensorLayout
 
-    axes = [entry if entry is None or isinstance(entry, str) else tuple(entry)
-            for entry in spec]  # fmt: skip
-    if all(entry is None or isinstance(entry, str) for entry in axes):
+    axes = [e if e is None or isinstance(e, str) else tuple(e) for e in spec]
+    if not any(isinstance(entry, tuple) for entry in axes):
         return TensorLayout(axes, device_mesh)
     return _multi_axis_layout_class()(axes, device_mesh)
 

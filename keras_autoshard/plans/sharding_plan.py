@@ -312,7 +312,8 @@ class ShardingPlan:
 
     def explain(self) -> str:
         """Why each variable is cut as it is: its roles and the deciding cost."""
-        lines = [f"Plan on mesh {self.mesh.describe()}, batch on {self.batch_axis!r}"]
+        batch = None if self.batch_axis is None else entry_text(self.batch_axis)
+        lines = [f"Plan on mesh {self.mesh.describe()}, batch on {batch!r}"]
         if self.estimate is not None and self.estimate.search is not None:
             lines.append(f"search: {self.estimate.search}")
         for v in self.variables:
