@@ -26,7 +26,7 @@ from keras_autoshard.graph.axis_graph import AxisGraph, CommEvent, TensorNode
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.linear_program import SolveOutcome
 from keras_autoshard.planner.remat import gathered_param_terms, kept_terms
-from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MODEL_AXIS_NAMES, entry_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class MeshAxis:
         cuts is cut over every device of their product. Named as a plan
         spells the spec entry (`"batch+model"`); it cuts only the batch."""
         return cls(
-            "+".join(a.name for a in axes),
+            entry_text(tuple(a.name for a in axes)),
             math.prod(a.size for a in axes),
             members=tuple(a.name for a in axes),
         )

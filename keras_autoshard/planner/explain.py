@@ -6,7 +6,7 @@ from __future__ import annotations
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import Assignment, PlanCost
 from keras_autoshard.planner.search import batch_carrying_classes
-from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
 from keras_autoshard.plans.plan_table import format_bytes
 
 
@@ -43,7 +43,7 @@ def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> lis
             why = _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying)
             notes.append(
                 f"Input {tensor.name!r}: its batch ({batch} rows) is cut over "
-                f"every mesh axis ({'+'.join(cut_over)!r}), since cut over "
+                f"every mesh axis ({entry_text(cut_over)!r}), since cut over "
                 f"{_listed([repr(n) for n in data_axes])} alone it could not be: {why}"
             )
             continue
