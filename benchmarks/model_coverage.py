@@ -276,7 +276,11 @@ def check_on_mesh(
 def _record_plan(row: CoverageRow, plan, model: keras.Model) -> None:
     """The plan's batch axis and note, and its parameter bytes, into `row`."""
     row.batch_axis = plan.batch_axis
-    row.batch_note = " ".join(n for n in plan.notes if n.startswith("The batch"))
+    row.batch_note = " ".join(
+        n
+        for n in plan.notes
+        if n.startswith("The batch") or "kept whole on every device" in n
+    )
     total = sum(v.total_bytes for v in plan.variables)
     cut = sum(v.total_bytes for v in plan.variables if any(v.spec))
     row.parameter_bytes = total
@@ -509,7 +513,7 @@ def render(rows: Sequence[CoverageRow], command: str) -> str:
         {
             row.class_name
             for row in rows
-            if row.status == "ok" and row.batch_axis is None and row.mesh != "1x8"
+            if row.status == "ok" and row.batch_axis is None
         }
     )
     spanning = sorted(
@@ -545,9 +549,9 @@ def render(rows: Sequence[CoverageRow], command: str) -> str:
         "configs: biases and norms that are too small to be worth cutting weigh "
         "more than in real sizes); `batch`: the axis the batch is split over, or "
         "why it is kept whole; `parity`: largest relative error of any output. "
-        "On 1x8 (no data axis) the planner's objective today is communication "
-        "bytes only, which replication does not add to, so small models stay "
-        "replicated there (pricing compute on every mesh is open work).\n\n"
+        "On 1x8 (no data axis of size > 1) the batch may go over 'model': the "
+        "planner first leaves the least compute repeated on the devices, then "
+        "moves the fewest bytes.\n\n"
         f"{summary}.\n\n{table}\n"
     )
 
@@ -568,13 +572,12 @@ def _measured(row: CoverageRow) -> list[str]:
 def _batch_cell(row: CoverageRow) -> str:
     if row.batch_axis is not None:
         return entry_text(row.batch_axis)
-    if MESHES[row.mesh].shape[0] == 1:
-        return "— (no data axis)"
-    why = (
-        row.batch_note.split("Why: ")[1].split(". The batch")[0]
-        if row.batch_note
-        else ""
-    )
+    if "kept whole on every device: " in row.batch_note:
+        why = row.batch_note.split("kept whole on every device: ")[1]
+    elif "Why: " in row.batch_note:
+        why = row.batch_note.split("Why: ")[1].split(". The batch")[0]
+    else:
+        why = ""
     return f"whole: {why[:160]}" if why else "whole"
 
 

@@ -101,9 +101,19 @@ def test_auto_plan_moves_no_more_bytes_than_the_handwritten_megatron_plan(name, 
     handwritten = _handwritten(name, reference, mesh)
     auto_report = compiled_report(build, PlanDistribution(auto), x, y)
     hand_report = compiled_report(build, PlanDistribution(handwritten), x, y)
-    assert (
-        auto_report.train_step.operand_bytes() <= hand_report.train_step.operand_bytes()
-    )
+    auto_step, hand_step = auto_report.train_step, hand_report.train_step
+    if auto_step.operand_bytes() <= hand_step.operand_bytes():
+        return
+    # Where no data axis can cut the batch (1x8), the planner first leaves
+    # the least compute repeated on the devices, then moves the fewest bytes
+    # (issue 33: eight devices must not each run the whole step to save
+    # bytes): it may move more than Megatron's rules only with fewer FLOPs
+    # per device (XLA's cost analysis of the compiled steps). Measured on
+    # 1x8: the CNN (the rules keep it whole on every device; the plan cuts
+    # its channels), the MLP (the rules repeat its head; the plan cuts it
+    # too) and the tied model (the batch over 'model').
+    assert mesh.axis_size("batch") == 1, (name, mesh)
+    assert auto_step.flops < hand_step.flops, (auto_step.flops, hand_step.flops)
 
 
 # KerasHub's Llama map cannot run on 8x1 (it cuts 2 KV heads 8 ways).
@@ -137,7 +147,7 @@ def test_data_only_mesh_trades_the_embedding_gradient_all_reduce_as_estimated():
     assert compiled < result.plan.total_bytes()
 
 
-def _tight_plan(name, mesh, rematerialize="auto"):
+def _tight_plan(name, mesh, rematerialize="auto", batch_over_model_axes=True):
     """The plan for a budget that leaves the state (parameters, gradients,
     Adam's two moments) 1.05 × its size cut over every device and the
     gathered copies of weights stored cut, the rest of
@@ -145,7 +155,9 @@ def _tight_plan(name, mesh, rematerialize="auto"):
     budget. The budget holds the whole peak and plans fill 90 % of it
     (`plans.estimate.HEADROOM`)."""
     build, x, y = _batch(name)
-    free = ka.plan(build, mesh, sample_input=x)
+    free = ka.plan(
+        build, mesh, sample_input=x, batch_over_model_axes=batch_over_model_axes
+    )
     estimate = free.estimate
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
@@ -157,7 +169,12 @@ def _tight_plan(name, mesh, rematerialize="auto"):
     floor = 1.05 * free.total_bytes() * (4 / devices + 1 / model_ways - 1 / devices)
     budget = int((estimate.peak_bytes - state + floor) / (1 - HEADROOM["XLA:CPU"]))
     tight = ka.plan(
-        build, mesh, sample_input=x, memory_budget=budget, rematerialize=rematerialize
+        build,
+        mesh,
+        sample_input=x,
+        memory_budget=budget,
+        rematerialize=rematerialize,
+        batch_over_model_axes=batch_over_model_axes,
     )
     return build, x, y, tight, budget
 
@@ -250,8 +267,15 @@ def test_storage_cut_pins_are_taken_only_where_they_move_fewer_bytes():
     layer output, and its step moves fewer bytes than with the pins of the
     earlier rule (every storage-cut layer: 7.34 MB against 6.90 MB), than
     with the lookups' pins only (7.02 MB) and than with the position
-    lookup's only (6.95 MB), each measured on this step."""
-    build, x, y, tight, _ = _tight_plan("opt", MESHES[1], rematerialize="none")
+    lookup's only (6.95 MB), each measured on this step.
+
+    The pins are a tensor-parallel plan's (`TensorParallel`'s on 1x8, which
+    keeps 'model' for the model): with the batch free to take 'model', this
+    budget is met by data parallelism over it with every weight stored cut
+    (ZeRO-3, 5.70 MiB estimated per step), which pins nothing."""
+    build, x, y, tight, _ = _tight_plan(
+        "opt", MESHES[1], rematerialize="none", batch_over_model_axes=False
+    )
     for table in OPT_LOOKUPS:
         assert tight.variable(f"{table}/embeddings").spec != (None, None)
     assert tight.activations == ()

@@ -76,6 +76,7 @@ from keras_autoshard.graph.axis_graph import (
     UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
+from keras_autoshard.graph.events import EventRecord, final_events
 from keras_autoshard.graph.fusion import cast_pairs, kept_after_fusion, note_fusion
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
@@ -182,23 +183,13 @@ class _TensorRecord:
     requires_grad: bool
 
 
-@dataclasses.dataclass
-class _EventRecord:
-    kind: str
-    phase: str
-    elements: tuple[int, ...]
-    tensor: int
-    multiplicity: int
-    primitive: str
-
-
 class _GraphBuilder:
     """Mutable state of one walk: tensors, dim union-find, events, edges."""
 
     def __init__(self, unit_of: Callable[[str], str] | None = None) -> None:
         self.uf = UnionFind()
         self.tensors: list[_TensorRecord] = []
-        self.events: list[_EventRecord] = []
+        self.events: list[EventRecord] = []
         self.slice_edges: list[tuple[int, int, int]] = []
         self.unknown: Counter[str] = Counter()
         self.notes: list[str] = []
@@ -429,7 +420,7 @@ class _GraphBuilder:
             tensor = self.view_of.get(tensor, tensor)
         if present:
             self.events.append(
-                _EventRecord(kind, phase, present, tensor, multiplicity, primitive)
+                EventRecord(kind, phase, present, tensor, multiplicity, primitive)
             )
 
     def add_slice_edge(
@@ -488,6 +479,13 @@ class _GraphBuilder:
             matmul_pairs=tuple(self.matmul_pairs),
             casts=cast_pairs(self),
             relaid_operands=tuple(sorted(self.relaid_operands)),
+            param_views=tuple(
+                sorted(
+                    (v, s)
+                    for v, s in self.view_of.items()
+                    if self.tensors[s].kind == "param"
+                )
+            ),
             residuals=kept_after_fusion(self),
             residuals_within_layers=kept_after_fusion(self, within_layers=True),
             accelerator_residuals=kept_after_fusion(self, accelerator=True),
@@ -537,50 +535,13 @@ class _GraphBuilder:
         )
         return class_of, classes
 
-    def _event_classes(
-        self, elements: Sequence[int], class_of: dict[int, int]
-    ) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(class_of[self.uf.find(e)] for e in elements))
-
     def _final_events(self, class_of: dict[int, int]) -> tuple[CommEvent, ...]:
-        forward = [
-            CommEvent(
-                kind=r.kind,
-                phase=r.phase,
-                classes=self._event_classes(r.elements, class_of),
-                tensor=r.tensor,
-                multiplicity=r.multiplicity,
-                primitive=r.primitive,
-            )
-            for r in self.events
-            if r.phase == "forward"
-        ]
-        return tuple(forward) + self._merged_backward_events(class_of)
-
-    def _merged_backward_events(
-        self, class_of: dict[int, int]
-    ) -> tuple[CommEvent, ...]:
-        """One backward event per (tensor, multiplicity): gradients sum first."""
-        groups: dict[tuple[int, int], list[_EventRecord]] = {}
-        for record in self.events:
-            if record.phase == "backward":
-                key = (record.tensor, record.multiplicity)
-                groups.setdefault(key, []).append(record)
-        merged = []
-        for (tensor, multiplicity), records in groups.items():
-            elements = [e for r in records for e in r.elements]
-            primitives = dict.fromkeys(r.primitive for r in records)
-            merged.append(
-                CommEvent(
-                    kind=records[0].kind,
-                    phase="backward",
-                    classes=self._event_classes(elements, class_of),
-                    tensor=tensor,
-                    multiplicity=multiplicity,
-                    primitive="+".join(primitives),
-                )
-            )
-        return tuple(merged)
+        return final_events(
+            self.events,
+            lambda elements: tuple(
+                dict.fromkeys(class_of[self.uf.find(e)] for e in elements)
+            ),
+        )
 
     def _final_slice_edges(self, class_of: dict[int, int]) -> tuple[SliceEdge, ...]:
         edges: dict[tuple[int, int, int], str] = {}

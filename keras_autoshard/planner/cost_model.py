@@ -154,6 +154,10 @@ class PlannerOptions:
             (only where the plan does not fit without it).
         gradient_accumulation_steps: `None` (chosen only when nothing else
             fits the budget) or a micro-batch count asked for.
+        batch_over_model_axes: Where no data axis cuts the batch, let a
+            model axis cut it (data parallelism over it) when that leaves
+            less compute repeated on the devices (`search.search`);
+            `False` keeps model axes for the model (`TensorParallel`).
     """
 
     memory_budget_bytes: int | None = None
@@ -167,6 +171,7 @@ class PlannerOptions:
     rematerialize: Any = "auto"
     sequence_parallel: Any = False
     gradient_accumulation_steps: int | None = None
+    batch_over_model_axes: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

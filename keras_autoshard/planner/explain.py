@@ -4,8 +4,8 @@ plan's notes (what was kept whole and why, the batch split, the estimate)."""
 from __future__ import annotations
 
 from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import Assignment, PlanCost
-from keras_autoshard.planner.search import batch_carrying_classes
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
 from keras_autoshard.plans.plan_table import format_bytes
 
@@ -29,10 +29,10 @@ def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> lis
         for name, size in zip(mesh.axis_names, mesh.shape)
         if name in DATA_AXIS_NAMES and size > 1
     }
-    if not data_axes:
-        return []
-    notes = []
     carrying = batch_carrying_classes(graph)
+    if not data_axes:
+        return _whole_on_every_device(graph, mesh, assignment, carrying)
+    notes = []
     for tensor in graph.tensors:
         if tensor.kind != "input" or not tensor.dim_classes:
             continue
@@ -57,6 +57,66 @@ def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> lis
             f"Why: {why}"
         )
     return notes
+
+
+def _whole_on_every_device(graph, mesh, assignment, carrying) -> list[str]:
+    """On a mesh with no data axis: why an input's batch that no axis cuts
+    stays whole (the batch may take a model axis, `search._batch_over_model_axes`)."""
+    sizes = {n: s for n, s in zip(mesh.axis_names, mesh.shape) if s > 1}
+    notes = []
+    for tensor in graph.tensors:
+        if tensor.kind != "input" or not tensor.dim_classes:
+            continue
+        cls_id = tensor.dim_classes[0]
+        if not sizes or assignment.class_axis.get(cls_id) is not None:
+            continue
+        batch = tensor.shape[0] if tensor.shape else 1
+        why = _why_no_axis_cuts(graph, cls_id, batch, sizes, carrying, assignment)
+        notes.append(
+            f"Input {tensor.name!r}: its batch ({batch} rows) is kept whole on "
+            f"every device: {why}"
+        )
+    return notes
+
+
+def _why_no_axis_cuts(graph, cls_id, batch, sizes, carrying, assignment) -> str:
+    if cls_id is None:
+        return "the batch has one row."
+    if all(batch % s for s in sizes.values()):
+        axes = _listed([f"{n!r} (size {s})" for n, s in sizes.items()])
+        return (
+            f"{batch} rows divide no mesh axis ({axes}); use a batch size "
+            f"that is a multiple of {min(sizes.values())}."
+        )
+    linked = sorted(
+        {
+            graph.classes[c].unshardable_reason
+            for c in carrying
+            if graph.classes[c].unshardable_reason is not None
+        }
+    )
+    if linked:
+        return _listed(linked) + "."
+    reshaped = sorted(
+        (graph.classes[c].size, entry_text(assignment.class_axis[c]))
+        for c in carrying
+        if c != cls_id and assignment.class_axis.get(c) is not None
+    )
+    if reshaped:
+        size, axis = reshaped[-1]
+        return (
+            f"{axis!r} cuts the {size} rows it is reshaped into instead (the "
+            "batch merged with another dimension): every device computes its "
+            "part of them."
+        )
+    used = sorted({a for a in assignment.class_axis.values() if a is not None})
+    axes_text = _listed([repr(entry_text(a)) for a in used]) or "no axis"
+    return (
+        f"the mesh has no data axis, and cutting the model over {axes_text} "
+        "repeats no more matrix products on the devices than cutting the "
+        "batch would, and moves fewer bytes per step or fits the memory "
+        "budget where cutting the batch does not."
+    )
 
 
 def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:

@@ -52,8 +52,8 @@ from keras_autoshard.planner.cost_model import (
     relaid_weights,
     widening,
 )
+from keras_autoshard.planner.gradient_reduction import COMBINE_THRESHOLD_BYTES
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import COMBINE_THRESHOLD_BYTES
 from keras_autoshard.planner.remat import (
     accelerator_stages,
     gathered_param_terms,
@@ -70,7 +70,7 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
     """Add the row `peak per device <= budget` to `program`.
 
     Args:
-        program: The search's `_Program` (its graph, options, mesh axes,
+        program: The search's `milp_program.Program` (its graph, options, mesh axes,
             linear program and `bytes_terms`).
         remat: Names of the layer calls rematerialized (`graph/blocks.py`).
         micro_batches: Gradient accumulation parts (what the batch makes
@@ -172,6 +172,8 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         for var, coefficient in terms.items():
             bound[var] = bound.get(var, 0.0) - coefficient
         program.lp.add_row(bound, lower=fixed)
+    if train and not accelerator:
+        _add_gathered_weight_candidates(program, remat, transient)
     rows = [(row, constant)]
     if update is not None:
         rows.append((update, update_constant))
@@ -272,6 +274,27 @@ def _lowest_stage_rows(
             fixed += add(terms, graph.tensors[tid], False, factor * part)
         rows.append((terms, fixed))
     return rows
+
+
+def _add_gathered_weight_candidates(program, remat, transient: int) -> None:
+    """Each weight stored cut for storage (FSDP) as a candidate for the
+    transient (`memory_model.gathered_weight_bytes`): its gathered copy
+    and whole gradient, less its stored shard each."""
+    unread = set(program.graph.unread)
+    cut_for_storage = {name for name, _ in program.y}
+    kept = dict(gathered_param_terms(program.graph, remat))
+    for tensor in program.graph.params():
+        if tensor.id in unread or tensor.name not in cut_for_storage:
+            continue
+        copies = 2.0 - min(1.0, kept.get(tensor.id, 0.0))
+        whole_fixed, whole = program.bytes_terms(tensor, fsdp=False, scale=copies)
+        stored_fixed, stored = program.bytes_terms(tensor, fsdp=True, scale=copies)
+        bound = {transient: 1.0}
+        for var, coefficient in whole.items():
+            bound[var] = bound.get(var, 0.0) - coefficient
+        for var, coefficient in stored.items():
+            bound[var] = bound.get(var, 0.0) + coefficient
+        program.lp.add_row(bound, lower=whole_fixed - stored_fixed)
 
 
 def _transient_candidates(

@@ -78,6 +78,7 @@ def plan(
     rematerialize: str | Sequence[str] = "auto",
     sequence_parallel: bool | str = False,
     gradient_accumulation_steps: int | None = None,
+    batch_over_model_axes: bool = True,
 ) -> ShardingPlan:
     """Find a sharding plan for a model on a mesh, automatically.
 
@@ -139,6 +140,13 @@ def plan(
             else fits the budget (the fewest that fit); `1`: never; `n`:
             always `n` (each data-parallel rank's batch must divide by it),
             the sharding and other levers chosen for that micro-batch.
+        batch_over_model_axes: On a mesh whose data axes cannot cut the
+            batch (none of size > 1, as on 1x8), a model axis may: the plan
+            first leaves the least compute repeated on the devices (data
+            parallelism over `"model"` where tensor parallelism would
+            repeat some, a small model's layers), then moves the fewest
+            bytes, within the budget. `False`: model axes cut only the
+            model.
 
     Returns:
         A `ShardingPlan`; `plan.explain()` says why each variable is cut so.
@@ -168,6 +176,7 @@ def plan(
         rematerialize=rematerialize,
         sequence_parallel=sequence_parallel,
         gradient_accumulation_steps=gradient_accumulation_steps,
+        batch_over_model_axes=batch_over_model_axes,
     ).plan
 
 
@@ -185,6 +194,7 @@ def plan_with_cost(
     rematerialize: str | Sequence[str] = "auto",
     sequence_parallel: bool | str = False,
     gradient_accumulation_steps: int | None = None,
+    batch_over_model_axes: bool = True,
 ) -> PlanningResult:
     """Like `plan`, also returning the estimated cost and the axis graph."""
     if job not in JOBS:
@@ -243,6 +253,7 @@ def plan_with_cost(
             rematerialize=_remat_request(rematerialize),
             sequence_parallel=sequence_parallel,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            batch_over_model_axes=batch_over_model_axes,
         )
         best = None
         reasons = []

@@ -45,6 +45,7 @@ def planning_request(
     sample_input,
     memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
+    batch_over_model_axes: bool = True,
 ) -> dict[str, Any]:
     """What the JAX planning subprocess needs, as JSON-able data.
 
@@ -58,6 +59,7 @@ def planning_request(
         memory_budget: Per-device bytes (a number, or a string such as
             `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
+        batch_over_model_axes: `plan()`'s.
 
     Returns:
         The request for `run_plan_worker`.
@@ -76,6 +78,7 @@ def planning_request(
         "inputs": encode_input_shapes(sample_input),
         "memory_budget": memory_budget,
         "rules": {k: list(v) for k, v in (rules or {}).items()},
+        "batch_over_model_axes": batch_over_model_axes,
     }
 
 

@@ -45,6 +45,7 @@ def answer(request: dict) -> dict:
         sample_input=_decode_inputs(request["inputs"]),
         memory_budget=request["memory_budget"],
         rules={k: tuple(v) for k, v in request["rules"].items()} or None,
+        batch_over_model_axes=request.get("batch_over_model_axes", True),
     )
     paths = [v.path for v in unique_variables(model.variables)]
     return {"plan": result.to_json(indent=None), "paths": paths}

@@ -268,8 +268,20 @@ def step_report(name: str, compiled, mesh: MeshSpec) -> CompiledStep:
         collectives=tuple(collectives),
         memory=memory,
         matmuls=len(_MATMUL.findall(hlo_text)),
+        flops=_flops(compiled),
         hlo_text=hlo_text,
     )
+
+
+def _flops(compiled) -> float | None:
+    """FLOPs per device of a compiled program, or `None` where the
+    compiler's cost analysis has none."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list):  # older JAX: one dict per program
+        analysis = analysis[0] if analysis else None
+    if not analysis or "flops" not in analysis:
+        return None
+    return float(analysis["flops"])
 
 
 def _mesh_devices(distribution):

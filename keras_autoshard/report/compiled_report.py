@@ -56,6 +56,9 @@ class CompiledStep:
         matmuls: Matrix products (`dot` and `convolution` instructions) in
             the optimized HLO: a rematerialized layer's products appear
             twice, once in the forward pass and once recomputed.
+        flops: Floating-point operations one device runs, as XLA's cost
+            analysis counts them (`None` where the compiler gives none, as
+            XLA:GPU compiled without a device).
         hlo_text: The optimized HLO, in schedule order (e.g. for
             `report.hlo.schedules.schedule_peaks`); not in `to_dict`.
     """
@@ -64,6 +67,7 @@ class CompiledStep:
     collectives: tuple[CollectiveOp, ...]
     memory: dict[str, int]
     matmuls: int = 0
+    flops: float | None = None
     hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
 
     def select(
@@ -95,6 +99,7 @@ class CompiledStep:
         return {
             "name": self.name,
             "memory": dict(self.memory),
+            "flops": self.flops,
             "collectives": [op.to_dict() for op in self.collectives],
             "collective_summary": summarize_collectives(self.collectives),
         }

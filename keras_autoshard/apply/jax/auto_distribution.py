@@ -83,6 +83,9 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         self._rules = dict(rules) if rules else None
         self._sample_input = sample_input
         self._sequence_parallel = sequence_parallel
+        # `plan()`'s `batch_over_model_axes`; `TensorParallel` keeps its
+        # model axis for the model.
+        self._batch_over_model_axes = True
         self._applied: PlanDistribution | None = None
         # Models planned by this distribution (weakly held: no model is kept
         # alive by having been planned) and those being planned right now.
@@ -133,6 +136,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 memory_budget=self._memory_budget,
                 rules=self._rules,
                 sequence_parallel=self._sequence_parallel,
+                batch_over_model_axes=self._batch_over_model_axes,
             )
         self._apply(plan, model)
         self._planned_models.add(model)
@@ -171,6 +175,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 memory_budget=self._memory_budget,
                 rules=self._rules,
                 sequence_parallel=self._sequence_parallel,
+                batch_over_model_axes=self._batch_over_model_axes,
             ).to_json()
         self._plans_shared += 1
         shared = multiprocess.share_text_from_process_0(

@@ -82,6 +82,9 @@ class JaxTensorParallel(TensorParallel):
             memory_budget=memory_budget,
             rules=rules,
         )
+        # Each model copy is cut over `world_size` devices, as asked: the
+        # batch goes over the other devices only, never the model axis.
+        self._distribution._batch_over_model_axes = False
         self.wrapped_model = self._materialize(model)
         if self.wrapped_model.built:
             self.built = True

@@ -34,6 +34,7 @@ def plan_for_torch(
     sample_input,
     memory_budget: int | str | None = None,
     rules: Mapping[str, Spec] | None = None,
+    batch_over_model_axes: bool = True,
 ) -> ShardingPlan:
     """Plan a torch-backend model with the JAX planner; the same plan on all ranks.
 
@@ -47,6 +48,7 @@ def plan_for_torch(
         memory_budget: Per-device bytes (a number, or a string such as
             `"16GiB"`) for parameters and optimizer state.
         rules: Regular expression on variable path → spec, pinned.
+        batch_over_model_axes: `plan()`'s (`TensorParallel`: `False`).
 
     Returns:
         The plan, with the local model's variable paths.
@@ -55,7 +57,9 @@ def plan_for_torch(
         PlanError: the model cannot be serialised or planned (the message
             says which and how to plan it under JAX instead).
     """
-    request = planning_request(model, device_mesh, sample_input, memory_budget, rules)
+    request = planning_request(
+        model, device_mesh, sample_input, memory_budget, rules, batch_over_model_axes
+    )
     result = _on_rank_zero(lambda: run_plan_worker(request))
     return plan_from_worker_result(result, model)
 

@@ -170,6 +170,8 @@ class TorchTensorParallel(TensorParallel, TorchShardedModel):
             global_batch,
             memory_budget=self._memory_budget,
             rules=self._rules,
+            # Each model copy is cut over `world_size` devices, as asked.
+            batch_over_model_axes=False,
         )
         self._shard(plan, torch_device_mesh(plan.mesh))
         return plan
