@@ -28,6 +28,8 @@ from keras_autoshard.errors import DimSizeMismatchError  # noqa: F401
 from keras_autoshard.graph.union_find import UnionFind  # noqa: F401
 
 TENSOR_KINDS = ("param", "state", "input", "activation", "constant")
+# The reason of a `SliceEdge` between equal parts and their join.
+JOINED = "joined dim of"
 EVENT_KINDS = ("contract", "reduce", "gather", "broadcast_grad")
 PHASES = ("forward", "backward")
 
@@ -149,7 +151,8 @@ class SliceEdge:
     data layouts agree). Sharding `target` on an extra mesh axis is a free
     local slice forward and needs an all-reduce of `tensor`'s gradient
     backward. Made by reshape merges/splits (major factor), slices, pads,
-    concatenation and repeats.
+    concatenation and repeats; a concatenation of equal parts or a split
+    into them leaves the parts cuttable too (`joined`).
 
     Args:
         source: Class id of the operand dim.
@@ -164,6 +167,14 @@ class SliceEdge:
     target: int
     tensor: int
     reason: str = ""
+
+    @property
+    def joined(self) -> bool:
+        """An edge between equal parts and their join (a concatenation of
+        two batches, a split into halves): both ends may be cut over the
+        same axis, each device's rows of the join then come from other
+        devices' parts (XLA moves them), forward and backward."""
+        return self.reason.startswith(JOINED)
 
 
 @dataclasses.dataclass(frozen=True)

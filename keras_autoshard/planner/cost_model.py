@@ -9,8 +9,10 @@ FSDP-style storage sharding of parameters. Its cost per training step:
 - communication per device: for every comm event of the graph whose class is
   sharded on mesh axis `a`, an all-reduce over `a` of the event tensor's
   per-device bytes (the operand bytes the compiled report counts); for every
-  slice edge used, an all-reduce of the sliced tensor in the backward pass; for
-  every FSDP-sharded parameter, an all-gather of its shard;
+  slice edge used, an all-reduce of the sliced tensor in the backward pass
+  (for a part of a join cut like the join, its rows moved between devices,
+  `SliceEdge.joined`); for every FSDP-sharded parameter, an all-gather of
+  its shard;
 - replicated heavy math: FLOPs of contractions that a mesh axis leaves whole
   (every device repeats them), the work the search avoids first.
 """
@@ -483,6 +485,10 @@ def evaluate(
         if target_axis is not None and source_axis != target_axis:
             if tensor.requires_grad:
                 by_axis[target_axis] += local_bytes(tensor, assignment, sizes)
+        elif edge.joined and source_axis is not None:
+            by_axis[source_axis] += joined_moves(tensor) * local_bytes(
+                tensor, assignment, sizes
+            )
     for name, dims in assignment.fsdp.items():
         tensor = graph.param(name)
         if tensor.id in unread:
@@ -521,6 +527,12 @@ def evaluate(
         communication_by_axis=by_axis,
         replicated_flops=replicated,
     )
+
+
+def joined_moves(tensor: TensorNode) -> float:
+    """How often a part of a join cut like the join moves between devices
+    (`SliceEdge.joined`): forward, and its gradient backward."""
+    return 2.0 if tensor.requires_grad else 1.0
 
 
 def _axes_of(classes, assignment: Assignment) -> list[str]:

@@ -33,6 +33,7 @@ from keras_autoshard.planner.cost_model import (
     contraction_flops,
     covering,
     iteration_classes,
+    joined_moves,
     mesh_axes,
     offers_table_exchanges,
     table_exchanges,
@@ -338,6 +339,8 @@ class Program:
                     if target is not None:
                         row[target] = 1.0
                     self.lp.add_row(row, lower=0.0)
+                    if edge.joined:
+                        self.add_conditional_bytes(source, tensor, joined_moves(tensor))
                 if target is None or not tensor.requires_grad:
                     continue
                 fires = self.lp.add_var()

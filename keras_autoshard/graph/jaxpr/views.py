@@ -256,12 +256,17 @@ def _rule_pad(e: Eqn) -> list[int]:
 
 @primitive_rule("concatenate")
 def _rule_concatenate(e: Eqn) -> list[int]:
+    """Parts of equal size joined along the leading dim (two batches, real
+    and generated) keep their cuts (`Eqn.joined_edge`); others (a row
+    appended, halves of a feature rotated back together) stay whole."""
     out = e.fresh_outputs()[0]
     axis = e.params["dimension"]
+    equal = axis == 0 and len({e.shape(operand)[axis] for operand in e.ins}) == 1
     for operand in e.ins:
         for dim in range(e.rank(out)):
             if dim == axis:
-                e.slice_edge(operand, dim, out, dim)
+                edge = e.joined_edge if equal else e.slice_edge
+                edge(operand, dim, out, dim)
             else:
                 e.unify(operand, dim, out, dim)
     return [out]
@@ -291,10 +296,14 @@ def _rule_tile(e: Eqn) -> list[int]:
 def _rule_split(e: Eqn) -> list[int]:
     operand, outs = e.ins[0], e.fresh_outputs()
     axis = e.params["axis"] % e.rank(operand)
+    # Equal parts of the leading dim (a batch split back in two) stay
+    # cuttable, as for `concatenate`.
+    equal = axis == 0 and len({e.shape(out)[axis] for out in outs}) == 1
     for out in outs:
         for dim in range(e.rank(operand)):
             if dim == axis:
-                e.slice_edge(operand, dim, out, dim)
+                edge = e.joined_edge if equal else e.slice_edge
+                edge(operand, dim, out, dim)
             else:
                 e.unify(operand, dim, out, dim)
     return outs

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from keras_autoshard.graph.axis_graph import JOINED
 from keras_autoshard.graph.jaxpr.registry import rule_for
 
 if TYPE_CHECKING:
@@ -130,6 +131,13 @@ class Eqn:
         """Operand `dim` is positionally selected into `out_dim` (slice/pad/...)."""
         reason = f"{_positional_word(self.name)} dim of {self.name}"
         self.mark(operand, dim, reason)
+        self.builder.add_slice_edge((operand, dim), (out, out_dim), reason)
+
+    def joined_edge(self, operand: int, dim: int, out: int, out_dim: int) -> None:
+        """Operand `dim` is one of equal parts joined into (or split from)
+        `out_dim`: both may be cut over an axis, at the price of moving the
+        rows between devices (`SliceEdge.joined`)."""
+        reason = f"{JOINED} {self.name}"
         self.builder.add_slice_edge((operand, dim), (out, out_dim), reason)
 
 
