@@ -211,20 +211,20 @@ def test_tight_budget_plan_fits_and_moves_no_more_than_keras_hub_layout_map(name
 
 def test_storage_cut_table_gathers_its_lookup_output_once():
     """Gemma on 1x8 under the tight budget: the table is cut for storage only
-    and the plan pins the lookup's output. The planner now cuts the table's
-    vocabulary for storage (its peak row counts the lookup's activations
-    too); cut along its hidden dim instead (the other storage cut of equal
-    bytes, the one the pin matters most for), the compiled step gathers the
-    output once (without the pin XLA carried the hidden cut into the
-    residual stream: 8 all-gathers of the activation and an all-reduce per
-    norm)."""
+    and the plan pins the lookup's output. The planner cuts the table along
+    its hidden dim (the storage cut the pin matters most for; it cut the
+    vocabulary, of equal bytes, before issue 33's estimate changes: each
+    use's partial gradient of the tied table reduced apart, a stored-cut
+    weight gathered beside its whole gradient), and the compiled step
+    gathers the output once (without the pin XLA carried the hidden cut
+    into the residual stream: 8 all-gathers of the activation and an
+    all-reduce per norm)."""
     mesh = MESHES[1]
-    build, x, y, planned, _ = _tight_plan("gemma", mesh)
-    assert planned.variable("token_embedding/embeddings").spec == ("model", None)
-    assert [(a.path, a.spec) for a in planned.activations] == [
+    build, x, y, tight, _ = _tight_plan("gemma", mesh)
+    assert tight.variable("token_embedding/embeddings").spec == (None, "model")
+    assert [(a.path, a.spec) for a in tight.activations] == [
         ("token_embedding/output", (None, None, None))
     ]
-    tight = planned.replace_specs({"token_embedding/embeddings": (None, "model")})
     report = compiled_report(build, PlanDistribution(tight), x, y)
     activation_bytes = zoo.BATCH * zoo.SEQ * 256 * 4 // mesh.device_count
     gathers = [

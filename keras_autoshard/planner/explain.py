@@ -79,6 +79,17 @@ def _whole_on_every_device(graph, mesh, assignment, carrying) -> list[str]:
     return notes
 
 
+def _unshardable_reasons(graph, classes) -> list[str]:
+    """Why any of `classes` may not be cut, each reason once, sorted."""
+    return sorted(
+        {
+            graph.classes[c].unshardable_reason
+            for c in classes
+            if graph.classes[c].unshardable_reason is not None
+        }
+    )
+
+
 def _why_no_axis_cuts(graph, cls_id, batch, sizes, carrying, assignment) -> str:
     if cls_id is None:
         return "the batch has one row."
@@ -88,13 +99,7 @@ def _why_no_axis_cuts(graph, cls_id, batch, sizes, carrying, assignment) -> str:
             f"{batch} rows divide no mesh axis ({axes}); use a batch size "
             f"that is a multiple of {min(sizes.values())}."
         )
-    linked = sorted(
-        {
-            graph.classes[c].unshardable_reason
-            for c in carrying
-            if graph.classes[c].unshardable_reason is not None
-        }
-    )
+    linked = _unshardable_reasons(graph, carrying)
     if linked:
         return _listed(linked) + "."
     reshaped = sorted(
@@ -129,13 +134,7 @@ def _batch_kept_whole_because(graph, cls_id, batch, data_axes, carrying) -> str:
             f"{batch} rows do not divide {not_dividing[0]!r} (size {size}); use a "
             f"batch size that is a multiple of {size}."
         )
-    linked = sorted(
-        {
-            graph.classes[c].unshardable_reason
-            for c in carrying
-            if graph.classes[c].unshardable_reason is not None
-        }
-    )
+    linked = _unshardable_reasons(graph, carrying)
     if linked:
         return _listed(linked) + "."
     convs = [

@@ -258,18 +258,16 @@ def estimate_memory(
     # without the update a Llama accumulating 4 micro-batches at 0.75.
     held = kept * part + gathered
     partials, reduced = reduced_partials(graph, assignment, sizes)
-    widest = max(
-        3 * largest * part,
-        largest_derived,
-        gathered_weight_bytes(graph, assignment, sizes, remat),
-    )
     phases = [
-        (gradients, held, outputs * part + widest),
+        (gradients, held, outputs * part + max(3 * largest * part, largest_derived)),
         (0.0, held, 2 * outputs * part),
         (0.0, held, workspace * part),
         # The gradients' combined reduction over the batch, after the
         # backward pass: every partial gradient it reduces beside its result.
         (gradients, 0.0, partials + min(partials, COMBINE_THRESHOLD_BYTES) - reduced),
+        # The first layers' gradients, formed once the activations are
+        # freed: a weight stored cut gathered beside its whole gradient.
+        (gradients, 0.0, gathered_weight_bytes(graph, assignment, sizes, remat)),
     ]
     if micro_batches > 1:
         # After the backward pass: its activations are freed.

@@ -181,14 +181,19 @@ class Program:
             seen.add(classes)
             # Each mesh axis cuts at most one dim, by itself or spanned.
             for axis in mesh_axes(self.axes):
-                row = {
-                    self.x[(c, used.name)]: 1.0
-                    for c in classes
-                    for used in covering(self.axes, axis.name)
-                    if (c, used.name) in self.x
-                }
+                row = self._cuts_over(classes, axis.name)
                 if len(row) > 1:
                     self.lp.add_row(row, upper=1.0)
+
+    def _cuts_over(self, classes, axis_name: str) -> dict[int, float]:
+        """`{x: 1}` for each way one of `classes` is cut over mesh axis
+        `axis_name`, by itself or within an axis spanning it."""
+        return {
+            self.x[(c, used.name)]: 1.0
+            for c in classes
+            for used in covering(self.axes, axis_name)
+            if (c, used.name) in self.x
+        }
 
     def add_grouped_conv_rule(self) -> None:
         """Where a grouped convolution's input has its batch (or any dim but
@@ -205,12 +210,7 @@ class Program:
                     if cut is None:
                         continue
                     for axis in mesh_axes(self.axes):
-                        row = {
-                            self.x[(c, used.name)]: 1.0
-                            for c in classes
-                            for used in covering(self.axes, axis.name)
-                            if (c, used.name) in self.x
-                        }
+                        row = self._cuts_over(classes, axis.name)
                         row[cut] = row.get(cut, 0.0) - 1.0
                         self.lp.add_row(row, lower=0.0)
 

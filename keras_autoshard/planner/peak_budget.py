@@ -147,6 +147,9 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         for pair in graph.key_values:
             for tid in pair:
                 add(graph.tensors[tid], False, 1.0)
+    # The state alone (parameters, gradients, slots, data), for the phase
+    # at the end of the backward pass (`_gathered_weight_row`).
+    state_terms, state_fixed = dict(row), constant
     if train:
         # Kept activations are freed by the update (after the backward pass).
         constant += graph.other_residual_bytes * part
@@ -172,9 +175,9 @@ def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> N
         for var, coefficient in terms.items():
             bound[var] = bound.get(var, 0.0) - coefficient
         program.lp.add_row(bound, lower=fixed)
-    if train and not accelerator:
-        _add_gathered_weight_candidates(program, remat, transient)
     rows = [(row, constant)]
+    if train and not accelerator:
+        rows.append(_gathered_weight_row(program, remat, state_terms, state_fixed))
     if update is not None:
         rows.append((update, update_constant))
     if train and accelerator:
@@ -276,25 +279,28 @@ def _lowest_stage_rows(
     return rows
 
 
-def _add_gathered_weight_candidates(program, remat, transient: int) -> None:
-    """Each weight stored cut for storage (FSDP) as a candidate for the
-    transient (`memory_model.gathered_weight_bytes`): its gathered copy
-    and whole gradient, less its stored shard each."""
+def _gathered_weight_row(program, remat, state_terms, state_fixed):
+    """The phase of `memory_model.gathered_weight_bytes`: the state, and the
+    weight stored cut for storage (FSDP) that adds most while its layer's
+    gradient is formed (its gathered copy and whole gradient, less its
+    stored shard each); `(terms, fixed)` of the row."""
     unread = set(program.graph.unread)
     cut_for_storage = {name for name, _ in program.y}
     kept = dict(gathered_param_terms(program.graph, remat))
+    widest = program.lp.add_var(upper=np.inf)
     for tensor in program.graph.params():
         if tensor.id in unread or tensor.name not in cut_for_storage:
             continue
         copies = 2.0 - min(1.0, kept.get(tensor.id, 0.0))
         whole_fixed, whole = program.bytes_terms(tensor, fsdp=False, scale=copies)
         stored_fixed, stored = program.bytes_terms(tensor, fsdp=True, scale=copies)
-        bound = {transient: 1.0}
+        bound = {widest: 1.0}
         for var, coefficient in whole.items():
             bound[var] = bound.get(var, 0.0) - coefficient
         for var, coefficient in stored.items():
             bound[var] = bound.get(var, 0.0) + coefficient
         program.lp.add_row(bound, lower=whole_fixed - stored_fixed)
+    return {**state_terms, widest: 1.0}, state_fixed
 
 
 def _transient_candidates(

@@ -145,7 +145,8 @@ def plan(
             first leaves the least compute repeated on the devices (data
             parallelism over `"model"` where tensor parallelism would
             repeat some, a small model's layers), then moves the fewest
-            bytes, within the budget. `False`: model axes cut only the
+            bytes, within the budget. `False` (and `sequence_parallel=True`,
+            which needs the axis for the model): model axes cut only the
             model.
 
     Returns:

@@ -71,6 +71,8 @@ def search(
         _cuts_batch(graph, found)
         or micro_batches > 1
         or not options.batch_over_model_axes
+        # Sequence parallelism asked for needs the axis for the model.
+        or options.sequence_parallel is True
     ):
         return found
     carriers = _batch_over_model_axes(own)
