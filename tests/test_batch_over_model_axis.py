@@ -59,11 +59,12 @@ def test_a_narrow_model_on_1x8_cuts_its_batch_over_model_and_trains_like_one_dev
 
 def test_data_parallel_over_model_runs_an_eighth_of_the_step_per_device():
     # Read off XLA's cost analysis of the compiled train steps: each device
-    # of the 1x8 plan runs about 1/8 of one device's FLOPs (the optimizer
-    # update, elementwise on whole weights, is repeated on every device).
+    # of the 1x8 plan runs about 1/8 of one device's FLOPs. The optimizer
+    # update, elementwise on whole weights, is repeated on every device:
+    # measured 1.03/8 with 512 rows (1.23/8 with 64, where it weighs more).
     from keras_autoshard import inspect_compiled
 
-    x, y = _batch(64, 12, 10)
+    x, y = _batch(512, 12, 10)
     dist = ka.AutoShardDistribution(device_mesh=MESH_1x8)
     with dist.scope():
         model = narrow_mlp()
@@ -79,7 +80,7 @@ def test_data_parallel_over_model_runs_an_eighth_of_the_step_per_device():
     whole = inspect_compiled(single, one, (x, y), with_forward_step=False)
     assert dist.plan.batch_axis == "model"
     ratio = sharded.train_step.flops / whole.train_step.flops
-    assert 1 / 8 <= ratio <= 1.25 / 8, ratio
+    assert 1 / 8 <= ratio <= 1.1 / 8, ratio
     assert sharded.train_step.count("all-reduce", ("model",)) >= 1
 
 
