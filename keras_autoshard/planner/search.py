@@ -54,9 +54,13 @@ def search(
         Every input's batch dim is split over the data axes when that can
         hold; where it cannot on the mesh's own axes (a grouped convolution
         whose channels the other axes cannot take), over an axis spanning
-        all of them (`MeshAxis.spanning`) when that holds; otherwise (an op
-        that mixes the batch with other dims, a batch that does not divide)
-        the best plan that leaves it whole.
+        all of them (`MeshAxis.spanning`) when that holds. Where no axis
+        cuts it at all (no data axis of size > 1, or an op that mixes the
+        batch with other dims, or a batch that does not divide), the model
+        axes may take it too (`options.batch_over_model_axes`, unless
+        sequence parallelism is asked for), and the plan repeats the fewest
+        matrix products first, then moves the fewest bytes; it may still
+        leave the batch whole.
     """
     own = mesh_axes(axes)
     found = _search_attempts(graph, own, options, pins, remat, micro_batches)
