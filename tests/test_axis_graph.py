@@ -18,10 +18,10 @@ from keras_autoshard.graph.axis_graph import (
     AxisGraph,
     DimSizeMismatchError,
     TensorNode,
-    UnionFind,
 )
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.graph.jaxpr import residuals
+from keras_autoshard.graph.union_find import UnionFind
 from keras_autoshard.planner.cost_model import kept_widening
 
 BATCH, SEQ = 2, 16

@@ -25,7 +25,6 @@ from collections import Counter
 from collections.abc import Iterable
 
 from keras_autoshard.errors import DimSizeMismatchError  # noqa: F401
-from keras_autoshard.graph.union_find import UnionFind  # noqa: F401
 
 TENSOR_KINDS = ("param", "state", "input", "activation", "constant")
 # The reason of a `SliceEdge` between equal parts and their join.
@@ -104,10 +103,10 @@ class CommEvent:
             forward, the operand whose gradient is partial backward.
         multiplicity: How many times the op runs per step (scan length).
         primitive: The primitive(s) that imply the communication.
-        uses: For a backward event merged from several uses of a parameter
+        uses: For a backward event merged from several uses of its tensor
             (a tied embedding's lookup and projection), each use's classes;
             empty for one use. XLA:CPU reduces each use's partial gradient
-            on its own (`AxisGraph.for_platform`).
+            of a parameter on its own (`AxisGraph.for_platform`).
     """
 
     kind: str

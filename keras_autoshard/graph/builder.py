@@ -73,7 +73,6 @@ from keras_autoshard.graph.axis_graph import (
     GroupedConv,
     SliceEdge,
     TensorNode,
-    UnionFind,
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
 from keras_autoshard.graph.events import EventRecord, final_events
@@ -95,6 +94,7 @@ from keras_autoshard.graph.jaxpr.walker import (
 )
 from keras_autoshard.graph.kv_cache import key_value_pairs
 from keras_autoshard.graph.layer_calls import CallReturns
+from keras_autoshard.graph.union_find import UnionFind
 
 logger = logging.getLogger(__name__)
 

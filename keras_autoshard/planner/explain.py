@@ -63,12 +63,14 @@ def _whole_on_every_device(graph, mesh, assignment, carrying) -> list[str]:
     """On a mesh with no data axis: why an input's batch that no axis cuts
     stays whole (the batch may take a model axis, `search._batch_over_model_axes`)."""
     sizes = {n: s for n, s in zip(mesh.axis_names, mesh.shape) if s > 1}
+    if not sizes:
+        return []
     notes = []
     for tensor in graph.tensors:
         if tensor.kind != "input" or not tensor.dim_classes:
             continue
         cls_id = tensor.dim_classes[0]
-        if not sizes or assignment.class_axis.get(cls_id) is not None:
+        if assignment.class_axis.get(cls_id) is not None:
             continue
         batch = tensor.shape[0] if tensor.shape else 1
         why = _why_no_axis_cuts(graph, cls_id, batch, sizes, carrying, assignment)

@@ -74,13 +74,26 @@ def gathered_weight_bytes(
     Returns:
         Bytes per device.
     """
-    unread = set(graph.unread)
-    kept = dict(gathered_param_terms(graph, remat))
     most = 0.0
-    for tensor in graph.params():
-        if tensor.id in unread or tensor.name not in assignment.fsdp:
+    for tensor, copies in gathered_weight_copies(graph, remat):
+        if tensor.name not in assignment.fsdp:
             continue
-        copies = 2.0 - min(1.0, kept.get(tensor.id, 0.0))
         whole = local_bytes(tensor, assignment, sizes, include_fsdp=False)
         most = max(most, copies * (whole - local_bytes(tensor, assignment, sizes)))
     return most
+
+
+def gathered_weight_copies(graph: AxisGraph, remat: frozenset[str]):
+    """`(parameter, copies)` for every parameter a step reads: stored cut
+    for storage, it adds its gathered copy and its whole gradient while its
+    layer's gradient is formed (2 copies), or only the gradient where the
+    backward pass keeps the gathered copy anyway (1,
+    `remat.gathered_param_terms`). `gathered_weight_bytes` and the search's
+    budget row (`peak_budget`) count the same copies."""
+    unread = set(graph.unread)
+    kept = dict(gathered_param_terms(graph, remat))
+    return [
+        (tensor, 2.0 - min(1.0, kept.get(tensor.id, 0.0)))
+        for tensor in graph.params()
+        if tensor.id not in unread
+    ]

@@ -52,7 +52,10 @@ from keras_autoshard.planner.cost_model import (
     relaid_weights,
     widening,
 )
-from keras_autoshard.planner.gradient_reduction import COMBINE_THRESHOLD_BYTES
+from keras_autoshard.planner.gradient_reduction import (
+    COMBINE_THRESHOLD_BYTES,
+    gathered_weight_copies,
+)
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.remat import (
     accelerator_stages,
@@ -284,14 +287,11 @@ def _gathered_weight_row(program, remat, state_terms, state_fixed):
     weight stored cut for storage (FSDP) that adds most while its layer's
     gradient is formed (its gathered copy and whole gradient, less its
     stored shard each); `(terms, fixed)` of the row."""
-    unread = set(program.graph.unread)
     cut_for_storage = {name for name, _ in program.y}
-    kept = dict(gathered_param_terms(program.graph, remat))
     widest = program.lp.add_var(upper=np.inf)
-    for tensor in program.graph.params():
-        if tensor.id in unread or tensor.name not in cut_for_storage:
+    for tensor, copies in gathered_weight_copies(program.graph, remat):
+        if tensor.name not in cut_for_storage:
             continue
-        copies = 2.0 - min(1.0, kept.get(tensor.id, 0.0))
         whole_fixed, whole = program.bytes_terms(tensor, fsdp=False, scale=copies)
         stored_fixed, stored = program.bytes_terms(tensor, fsdp=True, scale=copies)
         bound = {widest: 1.0}
