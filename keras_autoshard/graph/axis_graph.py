@@ -239,6 +239,8 @@ class AxisGraph:
             equations read each parameter ("" for equations outside any
             layer): its gradient exists once the backward pass reaches the
             last of them in call order.
+        input_readers: `(input id, layers)`: the top-level layers whose
+            equations read each input of the forward pass.
         key_values: `(key, value)` tensor ids of each attention, as a
             generation cache stores them (`graph/kv_cache.py`).
         matmul_operands: Tensor ids read by a matrix product
@@ -264,6 +266,10 @@ class AxisGraph:
         several_outputs: Layer paths some call of which returns more than
             one tensor (`graph/layer_calls.py`): Keras would lay them all
             out by the one layout it asks for the layer's output.
+        inputs_made_in_step: The inputs are no batch the train step is fed
+            but ones it makes (a model traced through its parts,
+            `trace/parts.py`: latent vectors drawn, generated images), so
+            no data layout reaches them.
 
     Example:
 
@@ -294,6 +300,7 @@ class AxisGraph:
     layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     unread: tuple[int, ...] = ()
     param_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    input_readers: tuple[tuple[int, tuple[str, ...]], ...] = ()
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
     matmul_pairs: tuple[tuple[int, int], ...] = ()
@@ -301,6 +308,7 @@ class AxisGraph:
     relaid_operands: tuple[int, ...] = ()
     param_views: tuple[tuple[int, int], ...] = ()
     several_outputs: tuple[str, ...] = ()
+    inputs_made_in_step: bool = False
 
     def for_platform(self, platform: str) -> AxisGraph:
         """This graph as the compiler of `platform` keeps residuals: itself

@@ -504,6 +504,11 @@ class _GraphBuilder:
                 for t in tensors
                 if t.kind == "param" and t.id in self.readers
             ),
+            input_readers=tuple(
+                (t.id, tuple(sorted(self.readers[t.id] - {""})))
+                for t in tensors
+                if t.kind == "input" and t.id in self.readers
+            ),
         )
 
     def _mark_repeated_classes(self) -> None:

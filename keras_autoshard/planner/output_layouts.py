@@ -9,7 +9,9 @@ for two kinds of layers:
 - under sequence parallelism, every sub-layer of the layers it applies to
   (`planner/sequence_parallel.py`);
 - for generation, the layers that make the keys and values a cache stores
-  (`key_value_layouts`).
+  (`key_value_layouts`);
+- for a model traced through its parts, the layers that read a part's
+  batch (`made_batch_layouts`): the train step makes those batches.
 """
 
 from __future__ import annotations
@@ -75,8 +77,66 @@ def output_layouts(
                 "the generation cache pinned as planned, so that the cache "
                 "made from them is laid out so too."
             )
+    if graph.inputs_made_in_step:
+        made, unpinned = made_batch_layouts(graph, assignment, rewrites)
+        layouts.update(made)
+        notes.extend(_made_batch_notes(made, unpinned))
     activations = tuple(ActivationLayout(path, spec) for path, spec in layouts.items())
     return activations, notes
+
+
+def made_batch_layouts(
+    graph: AxisGraph,
+    assignment: Assignment,
+    rewrites: Mapping[str, tuple[str, str]] | None = None,
+) -> tuple[dict[str, tuple[str | None, ...]], list[str]]:
+    """Pin the output of each layer that reads one of the graph's inputs,
+    when those inputs are batches the train step makes
+    (`AxisGraph.inputs_made_in_step`).
+
+    A GAN's step draws its latent vectors and feeds the generated images
+    to the discriminator: no data layout reaches them, so XLA would run a
+    layer that reads them on every row on every device (measured on the
+    GAN of `tests/test_gan_train_step.py` on 8x1: the discriminator's
+    convolution in the generator's loss ran on all 8 rows on every
+    device). Each such layer's output gets its planned layout instead, the
+    batch cut as planned.
+
+    Returns:
+        `(layouts, layers not pinned)`: a layer whose calls are laid out
+        differently, or that returns several tensors, is not pinned
+        (Keras asks one layout per layer path).
+    """
+    if rewrites is None:
+        rewrites = scope_rewrites(graph)
+    readers = sorted({scope for _, scopes in graph.input_readers for scope in scopes})
+    layouts, unpinned = {}, []
+    for scope in readers:
+        layout = _layout_of_every_call(graph, scope, assignment)
+        path = keras_layer_path(scope, rewrites)
+        if layout is None:
+            unpinned.append(path)
+        else:
+            layouts[f"{path}/output"] = layout
+    return layouts, unpinned
+
+
+def _made_batch_notes(made: Mapping[str, tuple], unpinned: list[str]) -> list[str]:
+    notes = []
+    if made:
+        notes.append(
+            f"{len(made)} layer outputs pinned as planned "
+            f"({', '.join(sorted(made))}): these layers read the parts' "
+            "batches, which the train step makes, so no data layout reaches "
+            "them."
+        )
+    if unpinned:
+        notes.append(
+            f"Layers {sorted(unpinned)} read a part's batch but are not pinned "
+            "(their calls are laid out differently, or they return several "
+            "tensors): XLA lays out their batch from what they read."
+        )
+    return notes
 
 
 def _storage_notes(storage: Mapping[str, tuple]) -> list[str]:

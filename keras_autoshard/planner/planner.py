@@ -242,6 +242,8 @@ def plan_with_cost(
         task.advance()
         task.describe("planning: axis graph")
         graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+        if traced.inputs_made_in_step:
+            graph = dataclasses.replace(graph, inputs_made_in_step=True)
         task.advance()
         platform = profile.platform if profile is not None else _device_platform()
         graph = graph.for_platform(platform)
@@ -302,6 +304,10 @@ def plan_with_cost(
             f"No plan on {', '.join(m.describe() for m in meshes)}: {' '.join(reasons)}"
         )
     sharding_plan, cost = best
+    if traced.notes:
+        sharding_plan = dataclasses.replace(
+            sharding_plan, notes=traced.notes + sharding_plan.notes
+        )
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
 
 

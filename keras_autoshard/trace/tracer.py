@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import re
 import traceback
@@ -26,6 +25,12 @@ from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import ModelNotTraceableError, PlanError
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
+from keras_autoshard.trace.parts import (
+    call_takes_training,
+    has_own_call,
+    model_parts,
+    parts_forward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +91,17 @@ class TracedModel:
             path)`, `("state", path)` or `("input", name)`.
         variables: Trainable variables, then non-trainable, in model order.
         input_shapes: Name → shape of each model input as traced.
+        notes: What the plan's notes say about the trace.
+        inputs_made_in_step: Traced through its parts (`trace/parts.py`):
+            the inputs are batches the train step makes, not ones it is fed.
     """
 
     closed_jaxpr: Any
     invar_kinds: tuple[tuple[str, str | None], ...]
     variables: tuple[VariableInfo, ...]
     input_shapes: dict[str, tuple[int, ...]]
+    notes: tuple[str, ...] = ()
+    inputs_made_in_step: bool = False
 
 
 @contextlib.contextmanager
@@ -189,7 +199,8 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             call (a shape error, a bad argument) propagates as raised.
     """
     _require_jax_backend(model)
-    if not model.built:
+    parts = None if has_own_call(model) else model_parts(model, sample_input)
+    if parts is None and not model.built:
         raise ValueError(
             f"Model {model.name!r} is not built: give sample_input so it can be "
             "built, or build it first."
@@ -198,9 +209,9 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
     non_trainable = unique_variables(model.non_trainable_variables)
     # Plan keys: the path, told apart by order where paths repeat.
     keys = variable_keys(model.variables)
-    inputs = shape_structs(sample_input)
+    inputs = shape_structs(sample_input if parts is None else parts.inputs)
     kwargs = {}
-    if _call_takes_training(model):
+    if call_takes_training(model):
         kwargs["training"] = True
 
     def forward(trainable_values, non_trainable_values, x):
@@ -208,6 +219,9 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             trainable_values, non_trainable_values, x, **kwargs
         )
         return outputs
+
+    if parts is not None:
+        forward = parts_forward(model, parts, trainable, non_trainable)
 
     try:
         with _unfiltered_tracebacks():
@@ -251,6 +265,8 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
             name: tuple(leaf.shape)
             for name, (_, leaf) in zip(input_names, input_leaves)
         },
+        notes=() if parts is None else (parts.note,),
+        inputs_made_in_step=parts is not None,
     )
 
 
@@ -357,10 +373,3 @@ def _keystr(path) -> str:
     if not path:
         return "input"
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _call_takes_training(model) -> bool:
-    try:
-        return "training" in inspect.signature(model.call).parameters
-    except (TypeError, ValueError):
-        return False
