@@ -50,6 +50,23 @@ def test_gqa_keeps_kv_heads_whole_and_says_so():
     assert any("GQA/MQA: 2 key/value heads" in n for n in plan.notes)
 
 
+def test_products_a_plan_repeats_are_named_with_their_layers_and_price():
+    # Llama's 2 key/value heads cannot be cut over the 4 devices of 'model',
+    # so its key and value projections run whole on each of them: the note
+    # gives the repeated FLOPs (the search's own figure), the layers and the
+    # price that let them be. GPT-2 cuts every product: no such note.
+    from keras_autoshard.planner.planner import plan_with_cost
+
+    build, batch = zoo.ZOO["llama"]
+    result = plan_with_cost(build, MESH_2x4, sample_input=batch())
+    [note] = [n for n in result.plan.notes if n.startswith("Matrix products repeated")]
+    assert f"{result.cost.replicated_flops:.3g} forward FLOPs" in note
+    assert result.cost.replicated_flops > 0
+    assert "'transformer_layer_0'" in note and "0.25 byte moved" in note
+    gpt2 = _plan("gpt2", MESH_2x4)
+    assert not [n for n in gpt2.notes if n.startswith("Matrix products repeated")]
+
+
 def test_vocabulary_that_does_not_divide_is_replicated_with_a_note():
     plan = _plan("opt", MESH_2x4)
     embedding = plan.variable("embeddings/token_embedding/embeddings")

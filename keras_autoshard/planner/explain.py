@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
-from keras_autoshard.planner.cost_model import Assignment, PlanCost
+from keras_autoshard.planner.cost_model import (
+    Assignment,
+    PlanCost,
+    PlannerOptions,
+    contraction_flops,
+    planning_axes,
+    repeated_products,
+)
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
 from keras_autoshard.plans.plan_table import format_bytes
 
@@ -285,6 +292,9 @@ def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
             f"Unknown primitive {name!r} ({count}x): its tensors' axes were left "
             "unsharded (conservative)."
         )
+    repeated = repeated_products_note(graph, mesh, assignment)
+    if repeated:
+        notes.append(repeated)
     # The memory per device is the estimate's note (it counts the levers).
     notes.append(
         f"Estimated communication per step and device: "
@@ -295,3 +305,44 @@ def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
         + ")."
     )
     return notes
+
+
+# The price the search gives a repeated FLOP, in bytes moved.
+FLOP_PRICE_BYTES = PlannerOptions.replicated_flop_cost
+
+
+def repeated_products_note(graph, mesh, assignment) -> str | None:
+    """Where the plan repeats matrix products on the devices of an axis
+    instead of splitting them (devices left idle for that share of the
+    step), by how much, in which layers, and the price that chose it."""
+    axes = planning_axes(mesh)
+    repeated = repeated_products(graph, axes, assignment)
+    if not repeated:
+        return None
+    by_layer: dict[str, float] = {}
+    for event, flops in repeated:
+        layer = graph.tensor_layers[event.tensor] if graph.tensor_layers else ""
+        layer = layer or "(outside any layer)"
+        by_layer[layer] = by_layer.get(layer, 0.0) + flops
+    total = sum(by_layer.values())
+    products = sum(
+        contraction_flops(graph, e)
+        for e in graph.comm_events
+        if e.kind == "contract" and e.phase == "forward"
+    )
+    even = products / mesh.device_count
+    share = (
+        f" ({100 * total / even:.0f} % more than an even split of the step's products)"
+        if even
+        else ""
+    )
+    largest = sorted(by_layer.items(), key=lambda item: -item[1])[:3]
+    return (
+        f"Matrix products repeated on the devices of an axis instead of split: "
+        f"{total:.3g} forward FLOPs per step and device{share}, most in "
+        + ", ".join(f"{name!r} ({flops:.3g})" for name, flops in largest)
+        + f". The search prices a repeated FLOP at {FLOP_PRICE_BYTES:g} byte "
+        "moved (with or without a hardware profile, which then also picks "
+        "the levers and the mesh by estimated step time): cutting these "
+        "moves more bytes than they cost at that price, or does not fit."
+    )

@@ -18,9 +18,9 @@ import keras
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import (
     Assignment,
-    MeshAxis,
     PlanCost,
     PlannerOptions,
+    planning_axes,
     tensor_axes,
 )
 from keras_autoshard.planner.explain import plan_notes, variable_reason
@@ -346,23 +346,12 @@ def _candidate_meshes(device_mesh, device_count) -> list[MeshSpec]:
 
 
 def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
-    axes = _mesh_axes(mesh)
+    axes = planning_axes(mesh)
     pinned_specs = _pinned_specs(variables, rules)
     _check_rules_against_shapes(variables, rules, mesh)
     pins = _pins_from_specs(graph, pinned_specs, mesh)
     chosen = choose_levers(graph, axes, mesh, options, pins)
     return _finish_plan(graph, variables, mesh, rules, chosen)
-
-
-def _mesh_axes(mesh: MeshSpec) -> tuple[MeshAxis, ...]:
-    """The mesh's axes of size > 1, and where there are several, one axis
-    spanning all of them (the batch cut over every device)."""
-    axes = tuple(
-        MeshAxis.named(name, size)
-        for name, size in zip(mesh.axis_names, mesh.shape)
-        if size > 1
-    )
-    return axes + ((MeshAxis.spanning(axes),) if len(axes) > 1 else ())
 
 
 def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
