@@ -68,7 +68,7 @@ def model_parts(model: keras.Model, sample_input) -> ModelParts:
     """
     children = [
         layer
-        for layer in model._flatten_layers(include_self=False, recursive=False)
+        for layer in model.layers
         if layer.variables
     ]
     where = (
