@@ -47,7 +47,10 @@ def test_gqa_keeps_kv_heads_whole_and_says_so():
     plan = _plan("llama", MESH_2x4)
     kv = _dims_with_role(plan, "kv_heads")
     assert kv and all(v.spec[d] is None for v, d in kv)
-    assert any("GQA/MQA: 2 key/value heads" in n for n in plan.notes)
+    # Said once for every call it applies to (the keys and the values of
+    # both layers), not once per call.
+    [note] = [n for n in plan.notes if "GQA/MQA: 2 key/value heads" in n]
+    assert note.endswith("(4 calls: in 'transformer_layer_0', 'transformer_layer_1').")
 
 
 def test_products_a_plan_repeats_are_named_with_their_layers_and_price():

@@ -241,31 +241,60 @@ def expert_notes(graph, sizes, assignment, roles) -> list[str]:
     return notes
 
 
+def slice_edge_notes(graph, assignment, sizes) -> list[str]:
+    """One note per kind of dim kept whole while the dim taken from it is
+    cut (grouped key/value heads, a reshape's split, a slice), with how many
+    calls and which layers: a 32-layer model's attentions say it once."""
+    grouped: dict[tuple, list[str]] = {}
+    for edge in graph.slice_edges:
+        target_axis = assignment.class_axis.get(edge.target)
+        source_axis = assignment.class_axis.get(edge.source)
+        if target_axis is None or source_axis == target_axis:
+            continue
+        key = (
+            edge.reason == "repeat",
+            graph.classes[edge.source].size,
+            graph.classes[edge.target].size,
+            edge.reason,
+            target_axis,
+        )
+        layer = graph.tensor_layers[edge.tensor] if graph.tensor_layers else ""
+        grouped.setdefault(key, []).append(layer or "(outside any layer)")
+    notes = []
+    for (repeat, source, target, reason, axis), layers in grouped.items():
+        where = _calls_in(layers)
+        if repeat:
+            notes.append(
+                f"GQA/MQA: {source} key/value heads cannot be split over "
+                f"{axis!r} (size {sizes[axis]}); they are replicated and each "
+                "device slices the query-head groups it owns (one all-reduce "
+                f"of the key/value activations in the backward pass){where}."
+            )
+        else:
+            notes.append(
+                f"A dimension of size {source} is kept whole on {axis!r} while "
+                f"the dimension taken from it ({reason}, size {target}) is split "
+                f"over {axis!r}: each device slices its part locally, and the "
+                f"gradient is all-reduced in the backward pass{where}."
+            )
+    return notes
+
+
+def _calls_in(layers: list[str]) -> str:
+    """`" (N calls: in 'a', 'b', ...)"`, naming up to four layers in call
+    order."""
+    named = list(dict.fromkeys(layers))
+    shown = ", ".join(repr(layer) for layer in named[:4])
+    more = f" and {len(named) - 4} more" if len(named) > 4 else ""
+    count = f"{len(layers)} call{'s' if len(layers) > 1 else ''}"
+    return f" ({count}: in {shown}{more})"
+
+
 def plan_notes(graph, mesh, assignment, roles, cost: PlanCost) -> list[str]:
     """The plan's notes: what was kept whole and why, and the estimate."""
     notes = batch_notes(graph, mesh, assignment)
     sizes = dict(zip(mesh.axis_names, mesh.shape))
-    for edge in graph.slice_edges:
-        target_axis = assignment.class_axis.get(edge.target)
-        source_axis = assignment.class_axis.get(edge.source)
-        if target_axis is not None and source_axis != target_axis:
-            source = graph.classes[edge.source]
-            if edge.reason == "repeat":
-                notes.append(
-                    f"GQA/MQA: {source.size} key/value heads cannot be split over "
-                    f"{target_axis!r} (size {sizes[target_axis]}); they are "
-                    "replicated and each device slices the query-head groups it "
-                    "owns (one all-reduce of the key/value activations in the "
-                    "backward pass)."
-                )
-            else:
-                notes.append(
-                    f"A dimension of size {source.size} is kept whole on "
-                    f"{target_axis!r} while the dimension taken from it "
-                    f"({edge.reason}, size {graph.classes[edge.target].size}) is "
-                    f"split over {target_axis!r}: each device slices its part "
-                    "locally, and the gradient is all-reduced in the backward pass."
-                )
+    notes += slice_edge_notes(graph, assignment, sizes)
     notes += expert_notes(graph, sizes, assignment, roles)
     for cls_id, role in roles.items():
         if role != "vocab":
