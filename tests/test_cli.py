@@ -434,3 +434,32 @@ def test_figure_layout_gives_each_column_block_to_its_model_axis_devices():
         (0, 2): [2, 6],
         (0, 3): [3, 7],
     }
+
+
+def test_figure_device_labels_do_not_overlap(gpt2_plan):
+    # In the picture of a plan (GPT-2 on 2x4, estimate drawn: its layout
+    # panels narrow) a kernel cut 4 ways over its columns printed its labels
+    # side by side, running into each other ("dev 0,4dev 1,5...").
+    from keras_autoshard import ShardingPlan
+    from keras_autoshard.report.plan_figure import plan_figure
+
+    result, paths = gpt2_plan
+    assert result.returncode == 0, explain(result)
+    plan = ShardingPlan.load(str(paths["json"]))
+    figure = plan_figure(plan)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    panels = [axes for axes in figure.axes if "\n" in axes.get_title()]  # layouts
+    assert any(len(axes.patches) == 4 for axes in panels)
+    for axes in panels:
+        # Each block's label stays inside its block (blocks and labels are
+        # drawn in the same order), so no label runs into the next.
+        assert len(axes.patches) == len(axes.texts)
+        for block, text in zip(axes.patches, axes.texts):
+            box = text.get_window_extent(renderer)
+            edges = block.get_window_extent(renderer)
+            inside = (
+                edges.x0 <= box.x0 and box.x1 <= edges.x1
+                and edges.y0 <= box.y0 and box.y1 <= edges.y1
+            )  # fmt: skip
+            assert inside, (axes.get_title(), text.get_text(), box, edges)

@@ -123,6 +123,24 @@ def save_plan_figure(plan: ShardingPlan, path: str, dpi: int = 110) -> None:
     save_plan_figure(plan, "plan.png")
     ```
     """
+    plan_figure(plan).savefig(path, dpi=dpi, format="png")
+
+
+def plan_figure(plan: ShardingPlan):
+    """The picture `save_plan_figure` writes, as a matplotlib `Figure`.
+
+    Args:
+        plan: The plan to draw.
+
+    Returns:
+        A `matplotlib.figure.Figure` (its canvas an Agg canvas).
+
+    Example:
+
+    ```python
+    plan_figure(plan).savefig("plan.svg")
+    ```
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -151,7 +169,7 @@ def save_plan_figure(plan: ShardingPlan, path: str, dpi: int = 110) -> None:
         axes.text(0.5, 0.5, "every weight is replicated", ha="center")
     figure.suptitle(f"Sharding plan on mesh {plan.mesh.describe()}")
     figure.tight_layout()
-    figure.savefig(path, dpi=dpi, format="png")
+    return figure
 
 
 def _draw_layer_bytes(axes, layers: list[LayerBytes], plan: ShardingPlan) -> None:
@@ -260,8 +278,11 @@ def _draw_layout(axes, variable: VariableSharding, count: int, mesh: MeshSpec) -
             f"dev {label}",
             ha="center",
             va="center",
-            fontsize=max(5, 9 - len(devices)),
-            wrap=True,
+            fontsize=max(4, 9 - len(devices) - max(0, min(rows, columns) - 2)),
+            # Blocks narrower than tall (a kernel cut over its columns)
+            # take their label upright, so that side by side they do not
+            # run into each other.
+            rotation=90 if columns > rows and columns > 2 else 0,
         )
     axes.set_xlim(0, columns)
     axes.set_ylim(0, rows)

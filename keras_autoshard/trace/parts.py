@@ -66,11 +66,7 @@ def model_parts(model: keras.Model, sample_input) -> ModelParts:
             and `sample_input` does not name it): the message names the part
             and says what to pass.
     """
-    children = [
-        layer
-        for layer in model.layers
-        if layer.variables
-    ]
+    children = [layer for layer in model.layers if layer.variables]
     where = (
         f"Model {model.name!r} ({type(model).__name__}) has no call() of its own "
         "(its train step calls its sub-models itself)"
