@@ -28,9 +28,10 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 HEADROOM = {"XLA:CPU": 0.14, "XLA:GPU": 0.14, "XLA:TPU": 0.14}
 
 # Bytes per device kept free besides `HEADROOM`: on XLA:GPU the zoo's plans
-# of a few MiB compile up to 3.86 MiB over their estimate (gemma with LoRA
-# on 1x8: 13.32 against 17.18 MiB; BENCHMARKS.md "memory truth on XLA:GPU",
-# estimate / compiled 0.76 to 1.21), a deficit of about fixed size (split-K
+# of a few MiB compile up to 2.45 MiB over their estimate (gemma on 1x8:
+# 14.48 against 16.93 MiB; it was 3.86 MiB, gemma with LoRA on 1x8, before
+# that plan moved its batch over 'model'; BENCHMARKS.md "memory truth on
+# XLA:GPU", estimate / compiled 0.60 to 1.21), a deficit of about fixed size (split-K
 # partial products and other buffers XLA:GPU holds at any model size) that
 # no share of a small budget covers; 4 MiB would do, kept at 8 MiB (it was
 # set when the deficit reached 7.69 MiB); nothing at real sizes.
