@@ -110,9 +110,9 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
     traced = trace_model(build_abstract(builder), sample_input)
     profile = hardware_profile(hardware)
     # As `plan` does: the residuals the target's compiler keeps.
-    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds).for_platform(
-        profile.platform
-    )
+    graph = build_axis_graph(
+        traced.closed_jaxpr, traced.invar_kinds, traced.inputs_made_in_step
+    ).for_platform(profile.platform)
     mesh = sharding_plan.mesh
     options = PlannerOptions(
         memory_budget_bytes=profile.memory_budget_bytes,

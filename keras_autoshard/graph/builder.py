@@ -116,6 +116,7 @@ FUSIBLE_PRIMITIVES = frozenset(ELEMENTWISE_PRIMITIVES) | {
 def build_axis_graph(
     closed_jaxpr: jcore.ClosedJaxpr,
     invar_kinds: Sequence[tuple[str, str | None]],
+    inputs_made_in_step: bool = False,
 ) -> AxisGraph:
     """Walk a closed jaxpr and build its axis graph.
 
@@ -127,6 +128,8 @@ def build_axis_graph(
         invar_kinds: One `(kind, name)` per flattened invar of the jaxpr, where
             kind is `"param"`, `"state"` or `"input"` and name the variable
             path (params, state) or input name.
+        inputs_made_in_step: The inputs are batches the train step makes,
+            not ones it is fed (`TracedModel.inputs_made_in_step`).
 
     Returns:
         The `AxisGraph`.
@@ -157,6 +160,7 @@ def build_axis_graph(
         builder.build(),
         outputs=tuple(outputs),
         several_outputs=builder.calls.several_outputs(outputs),
+        inputs_made_in_step=inputs_made_in_step,
     )
 
 

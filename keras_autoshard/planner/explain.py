@@ -252,18 +252,17 @@ def slice_edge_notes(graph, assignment, sizes) -> list[str]:
         if target_axis is None or source_axis == target_axis:
             continue
         key = (
-            edge.reason == "repeat",
+            edge.reason,
             graph.classes[edge.source].size,
             graph.classes[edge.target].size,
-            edge.reason,
             target_axis,
         )
         layer = graph.tensor_layers[edge.tensor] if graph.tensor_layers else ""
         grouped.setdefault(key, []).append(layer or "(outside any layer)")
     notes = []
-    for (repeat, source, target, reason, axis), layers in grouped.items():
+    for (reason, source, target, axis), layers in grouped.items():
         where = _calls_in(layers)
-        if repeat:
+        if reason == "repeat":
             notes.append(
                 f"GQA/MQA: {source} key/value heads cannot be split over "
                 f"{axis!r} (size {sizes[axis]}); they are replicated and each "

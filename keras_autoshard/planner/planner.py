@@ -241,9 +241,9 @@ def plan_with_cost(
         traced = trace_model(model, sample_input)
         task.advance()
         task.describe("planning: axis graph")
-        graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
-        if traced.inputs_made_in_step:
-            graph = dataclasses.replace(graph, inputs_made_in_step=True)
+        graph = build_axis_graph(
+            traced.closed_jaxpr, traced.invar_kinds, traced.inputs_made_in_step
+        )
         task.advance()
         platform = profile.platform if profile is not None else _device_platform()
         graph = graph.for_platform(platform)

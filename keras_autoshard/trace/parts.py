@@ -113,14 +113,13 @@ def model_parts(model: keras.Model, sample_input) -> ModelParts:
     return ModelParts(dict(zip(names, children)), inputs, note)
 
 
-def parts_forward(model: keras.Model, parts: ModelParts, trainable, non_trainable):
+def parts_forward(parts: ModelParts, trainable, non_trainable):
     """A forward function over the model's variable values: each part's
     `stateless_call` on its batch (as a JAX train step calls it), outputs
     keyed by part name.
 
     Args:
-        model: The model whose variables the values are, in its order.
-        parts: Its `ModelParts`.
+        parts: The model's `ModelParts`.
         trainable: The model's trainable variables, in the order of the
             forward function's first argument.
         non_trainable: Its non-trainable variables, in the order of the

@@ -221,7 +221,7 @@ def trace_model(model: keras.Model, sample_input) -> TracedModel:
         return outputs
 
     if parts is not None:
-        forward = parts_forward(model, parts, trainable, non_trainable)
+        forward = parts_forward(parts, trainable, non_trainable)
 
     try:
         with _unfiltered_tracebacks():
