@@ -249,6 +249,18 @@ class AxisGraph:
             every `dot_general`: XLA:GPU merges the weight gradients of
             products that read one input into one product
             (`planner/split_k.py`).
+        products: `(output, lhs, rhs, lhs free dims)` of every product with
+            no batch dims (operands: the sources of views; the output's
+            leading dims that many are the lhs's): XLA:GPU may split one
+            over its contraction into partial results (`planner/split_k.py`).
+        fused_products: `(output, images, needed)` of those `products`
+            whose output only elementwise work reads: the values made from
+            it by cheap elementwise work with smaller operands (a bias
+            added), and whether the backward pass needs it or an image as
+            it is. XLA:GPU fuses the sum of a split product's partial
+            results into those readers, so where the backward pass keeps
+            the output or an image it keeps the partials instead
+            (`graph/fusion.py`'s `product_images`).
         casts: `(cast, source)` tensor ids: each parameter or activation
             converted to another precision, the shape kept (a parameter's
             bfloat16 cast under `mixed_bfloat16`, which a product then reads
@@ -304,6 +316,8 @@ class AxisGraph:
     key_values: tuple[tuple[int, int], ...] = ()
     matmul_operands: tuple[int, ...] = ()
     matmul_pairs: tuple[tuple[int, int], ...] = ()
+    products: tuple[tuple[int, int, int, int], ...] = ()
+    fused_products: tuple[tuple[int, tuple[int, ...], bool], ...] = ()
     casts: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     param_views: tuple[tuple[int, int], ...] = ()

@@ -76,7 +76,12 @@ from keras_autoshard.graph.axis_graph import (
 )
 from keras_autoshard.graph.blocks import ScopeTracker, unit_namer
 from keras_autoshard.graph.events import EventRecord, final_events
-from keras_autoshard.graph.fusion import cast_pairs, kept_after_fusion, note_fusion
+from keras_autoshard.graph.fusion import (
+    cast_pairs,
+    kept_after_fusion,
+    note_fusion,
+    product_images,
+)
 from keras_autoshard.graph.jaxpr.registry import (
     ELEMENTWISE_PRIMITIVES,
     handled_primitives,
@@ -245,6 +250,9 @@ class _GraphBuilder:
         # and those XLA lays out anew for their product (`relaid_operands`).
         self.matmul_operands: set[int] = set()
         self.matmul_pairs: dict[tuple[int, int], None] = {}
+        # Output -> (lhs, rhs, lhs free dims) of each product with no batch
+        # dims (`AxisGraph.products`).
+        self.unbatched_products: dict[int, tuple[int, int, int]] = {}
         self.relaid_operands: set[int] = set()
 
     def record_residuals(self, eqn, outs: Sequence[int]) -> None:
@@ -481,6 +489,11 @@ class _GraphBuilder:
             key_values=key_value_pairs(self),
             matmul_operands=tuple(sorted(self.matmul_operands)),
             matmul_pairs=tuple(self.matmul_pairs),
+            products=tuple(
+                (out, *operands)
+                for out, operands in sorted(self.unbatched_products.items())
+            ),
+            fused_products=product_images(self),
             casts=cast_pairs(self),
             relaid_operands=tuple(sorted(self.relaid_operands)),
             param_views=tuple(

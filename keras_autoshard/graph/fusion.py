@@ -7,6 +7,7 @@ each tensor) and returns the `Kept` list of the axis graph.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -328,3 +329,62 @@ def _operand_roots(
             if root not in roots:
                 roots.append(root)
     return roots
+
+
+def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...]:
+    """`AxisGraph.fused_products`: each unbatched product whose output no
+    unfusible equation reads (directly or through a view), its images
+    (values made from it by `CHEAP` equations whose other operands are
+    smaller, broadcast along it: a bias added), and whether the backward
+    pass needs it as it is or as an image (a GELU's input, a gate's; not
+    a product kept only as what a fused value downstream is recomputed
+    from, such as a residual sum a norm reads, which XLA:GPU materialises).
+
+    Left out too: a product whose elementwise readers lead to an
+    `OPERAND_EMITTED` equation (an exact GELU's `erfc`: the forward fusion
+    emits the biased product beside it, and the backward pass reads that).
+    """
+    fused_readers: dict[int, list[int]] = {}
+    for out, ins in builder.fused_from.items():
+        for tid in ins:
+            fused_readers.setdefault(builder.view_of.get(tid, tid), []).append(out)
+    needed = {builder.view_of.get(tid, tid) for tid, _ in builder.residuals}
+
+    def size(tid: int) -> int:
+        return math.prod(builder.tensors[tid].shape)
+
+    def emits_operand(start: int) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            tid = todo.pop()
+            if builder.made_by.get(tid) in OPERAND_EMITTED:
+                return True
+            for reader in fused_readers.get(tid, ()):
+                if reader not in seen:
+                    seen.add(reader)
+                    todo.append(reader)
+        return False
+
+    def images(start: int) -> tuple[int, ...]:
+        found, todo = [], [start]
+        while todo:
+            tid = todo.pop()
+            for reader in fused_readers.get(tid, ()):
+                others = [t for t in builder.fused_from[reader] if t != tid]
+                if (
+                    builder.made_by.get(reader) in CHEAP
+                    and all(size(t) < size(tid) for t in others)
+                    and reader not in found
+                ):
+                    found.append(reader)
+                    todo.append(reader)
+        return tuple(found)
+
+    fused = []
+    for out in sorted(builder.unbatched_products):
+        if out in builder.unfused_readers or out in builder.readers_through_views:
+            continue
+        made = images(out)
+        if not emits_operand(out):
+            fused.append((out, made, bool(needed.intersection((out, *made)))))
+    return tuple(fused)

@@ -78,7 +78,11 @@ from keras_autoshard.planner.remat import (
     backward_stages,
     layer_calls,
 )
-from keras_autoshard.planner.split_k import split_gradient_bytes
+from keras_autoshard.planner.split_k import (
+    gradient_buffers,
+    kept_partials_factors,
+    split_gradient_bytes,
+)
 from keras_autoshard.planner.stream_drift import held_as_partitioned
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
@@ -371,18 +375,27 @@ def accelerator_peak(
     optimizer to all gradients at once), so every finished gradient is held
     to the end. A stage holds: every kept activation some layer not yet
     differentiated reads (a rematerialized layer keeps only its input), the
-    current layer's own residuals (made again when it is rematerialized),
-    the gradients of every parameter read by it or a layer above (in its
-    cast's precision where the batch reduces them, `AxisGraph.narrowed_params`),
-    one buffer of its largest batch activation for the gradient being formed,
-    and the largest combined reduction of the gradients over the batch axes
+    current layer's own residuals (made again when it is rematerialized;
+    a split product's partials where XLA:GPU keeps them in its output's
+    place, `split_k.kept_partials_factors`), the gradients of every
+    parameter read by it or a layer above (in its cast's precision where
+    the batch reduces them, `AxisGraph.narrowed_params`), and a workspace:
+    the larger of two. One is the gradient being formed, one buffer of the
+    layer's largest batch activation, or, for an activation several
+    products read, each product's input gradient (in its partials where
+    XLA:GPU splits it, `split_k.input_gradient_partials`) beside their sum,
+    with the partial products of the layer's weight gradients that XLA:GPU
+    splits over the tokens (`split_k.split_gradient_bytes`: one product's
+    at a time, each summed as it is made; none at real widths). The other
+    is the largest combined reduction of the gradients over the batch axes
     so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
     six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
     6.3 MB each, as the combined all-reduce's operand and result; six
-    4096-wide ones, 16 MiB per kernel, combine one layer's each), and the
-    partial products of the layer's weight gradients that XLA:GPU splits
-    over the tokens (`split_k.split_gradient_bytes`; none at real widths).
+    4096-wide ones, 16 MiB per kernel, combine one layer's each), which
+    runs apart from the layer's products (the zoo's Gemma on 8x1 peaks in
+    its combined reduction of every gradient, with no product's buffers
+    live).
     Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
     widths on 32x8, every layer rematerialized, peaks at the top layer (the
     layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
@@ -413,9 +426,18 @@ def accelerator_peak(
     kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
     assignment = held_as_partitioned(graph, assignment, sizes, kept)
 
+    # Products whose split partial results are kept in their output's place,
+    # and activations whose gradient a product makes in split partials.
+    whole = dataclasses.replace(assignment, fsdp={})
+    residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
+    partials_kept = kept_partials_factors(graph, whole, sizes, residuals)
+    gradient_buffers_of = gradient_buffers(graph, whole, sizes)
+
     def held(terms) -> float:
         return part * sum(
-            local_bytes(graph.tensors[tid], assignment, sizes) * factor
+            local_bytes(graph.tensors[tid], assignment, sizes)
+            * factor
+            * partials_kept.get(tid, 1.0)
             for tid, factor in terms
         )
 
@@ -435,7 +457,9 @@ def accelerator_peak(
         # largest, the backward pass of the activation holds the gradients
         # of its output and its input at once, the second not counted
         # (`tests/test_residual_fusion_gpu.py`); a precision cast's two
-        # are, below.
+        # are, below. Several products' input gradients beside their sum,
+        # or split partials, are (`split_k.gradient_buffers`).
+        size *= gradient_buffers_of.get(tensor.id, 1)
         largest[stage] = max(largest[stage], size)
     # The backward pass of a precision cast reads the cast's gradient and
     # writes its source's, buffers of two sizes live at once (Llama-2-70B
@@ -449,7 +473,6 @@ def accelerator_peak(
             local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
         )
         largest[stage] = max(largest[stage], pair * part)
-    whole = dataclasses.replace(assignment, fsdp={})
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)
     partials = [0.0] * len(stages)  # split-K partial products made there
@@ -476,7 +499,7 @@ def accelerator_peak(
             reduced = batch_axes - set(tensor_axes(tensor, whole))
             factor = narrowed.get(tid, 1.0) if reduced else 1.0
             made_above[i] += local_bytes(tensor, assignment, sizes) * factor
-            partials[i] += split.get(tid, 0.0)
+            partials[i] = max(partials[i], split.get(tid, 0.0))
             if reduced:
                 # Combined in the order they are made, up to the threshold.
                 size = local_bytes(tensor, whole, sizes) * factor
@@ -489,7 +512,7 @@ def accelerator_peak(
     for i, stage in enumerate(stages):
         alive += held(stage.kept_to_here)
         kept = alive + held(stage.own)
-        workspace = largest[i] + combined[i] + partials[i]
+        workspace = max(largest[i] + partials[i], combined[i])
         best = max(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )

@@ -1,4 +1,5 @@
-"""How many parts XLA:GPU splits a weight gradient's contraction into.
+"""How many parts XLA:GPU splits a product's contraction into, and what
+it holds for it.
 
 A weight gradient contracts over the tokens (`K`: batch × sequence on one
 device) into an output of the weight's size. When that output is small
@@ -36,6 +37,14 @@ its gate and up projections one `f32[8,256,128]`): their `N`s add up,
 which may make fewer parts. From 4 Mi elements on (a 2048 × 2048 shard), XLA:GPU does
 not split: weights at real widths are never split. The gradient of a
 table read by a gather is a scatter-add, not a product: never split.
+
+The same splits hold for the other products of a layer on few tokens,
+read off the compiled programs of the zoo and of
+`tests/test_split_products_gpu.py`: a forward product whose output only
+elementwise work reads keeps its partials for the backward pass
+(`kept_partials_factors`), and the input gradient of an activation is
+split too, each product's partials live until one fusion sums them with
+the other products' (`gradient_buffers`).
 
 Example:
 
@@ -170,6 +179,11 @@ SPLITS: dict[int, tuple[tuple[int, ...], ...]] = {
 DIMS_LOG2 = (4, 12)  # the grid's least and greatest output dim, log2
 # No split from this many output elements on, whatever K.
 UNSPLIT_ELEMENTS = 2**22
+# The most partial results XLA:GPU keeps in a forward product's output's
+# place (`kept_partials_factors`): the zoo's GPT-2 and Gemma on 2x4, 1x8 and
+# 8x1 keep their MLP products' 4 partials; BERT on 2x4, split in 8, has its
+# forward fusion emit the biased product beside the GELU it feeds.
+KEPT_PARTS_LIMIT = 4
 
 
 def split_parts(tokens: float, m: float, n: float) -> int:
@@ -263,3 +277,153 @@ def split_gradient_bytes(
         if size:
             held[weight] = held.get(weight, 0.0) + size
     return held
+
+
+def _local_size(tensor, assignment: Assignment, sizes, dims) -> float:
+    axes = tensor_axes(tensor, assignment)
+    return math.prod(tensor.shape[d] / (sizes[axes[d]] if axes[d] else 1) for d in dims)
+
+
+def _activation_products(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> list[tuple[int, int, float, float, float]]:
+    """(output, activation operand, M, K, N) on one device of each
+    unbatched product one of whose operands is an activation: `M` the
+    output's dims that come from it, `K` the contraction, `N` the rest."""
+    contracted = {
+        event.tensor: event.classes
+        for event in graph.comm_events
+        if event.kind == "contract"
+        and event.phase == "forward"
+        and event.primitive == "dot_general"
+    }
+    found = []
+    for out, lhs, rhs, lhs_free in graph.products:
+        read = lhs if graph.tensors[lhs].kind == "activation" else rhs
+        output = graph.tensors[out]
+        if graph.tensors[read].kind != "activation" or out not in contracted:
+            continue
+        rank = len(output.shape)
+        dims = range(lhs_free) if read == lhs else range(lhs_free, rank)
+        m = _local_size(output, assignment, sizes, dims)
+        n = _local_size(output, assignment, sizes, range(rank)) / m
+        k = 1.0
+        for cls in contracted[out]:
+            axis = assignment.class_axis.get(cls)
+            k *= graph.classes[cls].size / (sizes[axis] if axis else 1)
+        found.append((out, read, m, k, n))
+    return found
+
+
+def kept_partials_factors(
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: dict[str, int],
+    kept: frozenset[int],
+) -> dict[int, float]:
+    """Output id -> bytes XLA:GPU keeps per byte of the output, for the
+    kept outputs of products whose partial results it keeps instead.
+
+    A forward product split over its contraction (`split_parts`: few
+    tokens against many features) ends in a sum of `S` float32 partial
+    results, which XLA:GPU fuses into the product's readers. Where only
+    elementwise work reads the output (`AxisGraph.fused_products`: a
+    GELU's input, a gated MLP's gate) and the backward pass keeps it, the
+    backward fusions sum the partials again: the `S` partials are kept
+    (up to `KEPT_PARTS_LIMIT`). Products reading one input are one
+    product (`DotMerger`), whose partials hold every member's output: the
+    kept members carry the whole.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (products
+            run in the compute layout).
+        sizes: Mesh axis name -> size.
+        kept: The activations the backward pass keeps.
+
+    Returns:
+        The factor of each kept output whose product's partials are kept
+        (others absent).
+    """
+    # Output -> the kept value that stands for it (itself or an image).
+    held_as = {}
+    for out, images, needed in graph.fused_products:
+        for tid in (out, *images) if needed else ():
+            if tid in kept:
+                held_as[out] = tid
+                break
+    fused = {out for out, _, _ in graph.fused_products}
+    # (input, M, K) -> [(output, N)]: one product per group.
+    groups: dict[tuple, list[tuple[int, float]]] = {}
+    for out, read, m, k, n in _activation_products(graph, assignment, sizes):
+        groups.setdefault((read, m, k), []).append((out, n))
+    factors = {}
+    for (_, m, k), members in groups.items():
+        if any(out not in fused for out, _ in members):
+            continue  # the sum is materialised for an unfusible reader
+        total = sum(n for _, n in members)
+        parts = split_parts(k, m, total)
+        held = sum(n for out, n in members if out in held_as)
+        if not 1 < parts <= KEPT_PARTS_LIMIT or not held:
+            continue
+        for out, _ in members:
+            if out in held_as:
+                tid = held_as[out]
+                factors[tid] = parts * total / held * 4.0 / graph.tensors[tid].itemsize
+    return factors
+
+
+def input_gradient_partials(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, int]:
+    """Activation id -> the buffers of its size, beyond one per product that
+    reads it, that XLA:GPU holds while it forms the activation's gradient:
+    a product of the output's gradient and the weight contracts over the
+    output's features into the activation's shape, split in `S` float32
+    partials where `split_parts` says so, `S - 1` more. The partials are
+    summed where the products' input gradients are (a gate and an up
+    projection over 256 tokens on 2x4: two products split in 8, 16
+    partials of the input's size live at once).
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out.
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        The extra buffers per activation a split product reads (others
+        absent).
+    """
+    extra: dict[int, int] = {}
+    for _, read, m, k, n in _activation_products(graph, assignment, sizes):
+        split = split_parts(n, m, k)
+        if split > 1 and graph.tensors[read].requires_grad:
+            extra[read] = extra.get(read, 0) + split - 1
+    return extra
+
+
+def gradient_buffers(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, int]:
+    """Activation id -> buffers of its size XLA:GPU holds at once while it
+    forms the activation's gradient, where more than one: for an
+    activation several products read, each product's input gradient (a
+    query, key and value projection reading one normalised input) and
+    their sum, which one fusion makes after the last; each input gradient
+    in its partials where XLA:GPU splits it (`input_gradient_partials`).
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out.
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        The buffers per activation (absent: one).
+    """
+    readers = collections.Counter(t for pair in graph.matmul_pairs for t in pair)
+    extra = input_gradient_partials(graph, assignment, sizes)
+    buffers = {}
+    for tid in set(extra) | {t for t, count in readers.items() if count > 1}:
+        count = readers.get(tid, 0)
+        buffers[tid] = max(count, 1) + extra.get(tid, 0) + (count > 1)
+    return buffers

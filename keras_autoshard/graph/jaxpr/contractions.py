@@ -39,7 +39,10 @@ def _rule_dot_general(e: Eqn) -> list[int]:
     e.event("contract", "forward", [e.element(lhs, d) for d in lhs_contract], out)
     e.builder.note_matmul_operands(lhs, rhs)
     view_of = e.builder.view_of
-    e.builder.matmul_pairs[(view_of.get(lhs, lhs), view_of.get(rhs, rhs))] = None
+    pair = (view_of.get(lhs, lhs), view_of.get(rhs, rhs))
+    e.builder.matmul_pairs[pair] = None
+    if not lhs_batch:
+        e.builder.unbatched_products[out] = (*pair, len(lhs_free))
     if _rewritten(e.rank(lhs), e.rank(rhs), lhs_contract, lhs_batch, rhs_batch):
         for tid, order in (
             (lhs, (*lhs_batch, *lhs_free, *lhs_contract)),

@@ -1,0 +1,119 @@
+"""Unit tests of `planner/split_k.py` and the graph facts it reads
+(`graph/fusion.py`'s `product_images`), on small jaxprs written here."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.planner.cost_model import Assignment
+from keras_autoshard.planner.split_k import (
+    input_gradient_partials,
+    kept_partials_factors,
+    split_parts,
+)
+
+TOKENS, WIDTH, HIDDEN = 64, 256, 512
+UNCUT = Assignment(class_axis={})
+
+
+def _graph(f, shapes, kinds):
+    closed = jax.make_jaxpr(f)(*[jax.ShapeDtypeStruct(s, "float32") for s in shapes])
+    return build_axis_graph(closed, kinds)
+
+
+def gated(approximate: bool):
+    """A normalised input scaled by a trained vector, a gate and an up
+    projection reading it (GELU of the gate times the up), a down one."""
+
+    def f(scale, gate, up, down, x):
+        h = x * scale
+        g = h @ gate
+        return (jax.nn.gelu(g, approximate=approximate) * (h @ up)) @ down
+
+    shapes = [(WIDTH,), (WIDTH, HIDDEN), (WIDTH, HIDDEN), (HIDDEN, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "gate", "up", "down")]
+    return _graph(f, [*shapes, (TOKENS, WIDTH)], [*kinds, ("input", "x")])
+
+
+def _product_of(graph, weight: str) -> int:
+    param = graph.param(weight).id
+    (out,) = [o for o, lhs, rhs, _ in graph.products if param in (lhs, rhs)]
+    return out
+
+
+def test_products_the_backward_pass_needs_as_they_are():
+    graph = gated(approximate=True)
+    fused = {out: needed for out, _, needed in graph.fused_products}
+    gate, up, down = (_product_of(graph, w) for w in ("gate", "up", "down"))
+    # The GELU's input and the up projection's output are read by the
+    # backward pass; the down projection's output by nothing.
+    assert fused == {gate: True, up: True, down: False}
+
+
+def test_an_exact_gelu_keeps_no_partials():
+    """Its `erfc`'s forward fusion emits the product beside it (XLA:GPU,
+    the zoo's MLP on 2x4): the gate is no fused product."""
+    graph = gated(approximate=False)
+    fused = {out for out, _, _ in graph.fused_products}
+    assert _product_of(graph, "gate") not in fused
+    assert _product_of(graph, "up") in fused
+
+
+def test_kept_partials_of_a_merged_product():
+    """Gate and up read one input: one product of 64 tokens by 1024
+    features over 256, which `split_parts` splits in 4; each kept output
+    holds its share of the 4 float32 partials of the merged output."""
+    graph = gated(approximate=True)
+    gate, up = _product_of(graph, "gate"), _product_of(graph, "up")
+    assert split_parts(WIDTH, TOKENS, 2 * HIDDEN) == 4
+    assert kept_partials_factors(graph, UNCUT, {}, frozenset({gate, up})) == {
+        gate: 4.0,
+        up: 4.0,
+    }
+    # Only the gate kept: the partials still hold the up's half.
+    assert kept_partials_factors(graph, UNCUT, {}, frozenset({gate})) == {gate: 8.0}
+    assert kept_partials_factors(graph, UNCUT, {}, frozenset()) == {}
+
+
+def test_more_partials_than_xla_keeps_are_not_kept():
+    """Gate and up cut 4 ways over their features (64 tokens by 256 over
+    256 on a device): `split_parts` says 8, more than XLA:GPU keeps in the
+    output's place (`KEPT_PARTS_LIMIT`: BERT's MLP on 2x4, split in 8, has
+    its biased product emitted instead)."""
+    graph = gated(approximate=True)
+    gate, up = _product_of(graph, "gate"), _product_of(graph, "up")
+    features = graph.tensors[gate].dim_classes[1]
+    cut = Assignment(class_axis={features: "model"})
+    assert split_parts(WIDTH, TOKENS, 2 * HIDDEN / 4) == 8
+    kept = frozenset({gate, up})
+    assert kept_partials_factors(graph, cut, {"model": 4}, kept) == {}
+
+
+def test_input_gradient_partials_of_three_projections():
+    """A query, key and value reading one input (64 x 256): each input
+    gradient contracts 256 features into 64 x 256, split in 8, so 7 more
+    buffers of the input's size each (XLA:GPU on 8x1 makes `f32[8,64,256]`
+    for each and sums all three in one fusion)."""
+
+    def f(scale, wq, wk, wv, x):
+        h = x * scale
+        return jnp.sum((h @ wq) * (h @ wk) + h @ wv)
+
+    shapes = [(WIDTH,), *[(WIDTH, WIDTH)] * 3, (TOKENS, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "wq", "wk", "wv")] + [("input", "x")]
+    graph = _graph(f, shapes, kinds)
+    (h,) = {
+        lhs
+        for _, lhs, _, _ in graph.products
+        if graph.tensors[lhs].kind == "activation"
+    }
+    assert split_parts(WIDTH, TOKENS, WIDTH) == 8
+    assert input_gradient_partials(graph, UNCUT, {}) == {h: 3 * 7}
+
+
+@pytest.mark.parametrize("tokens", [4096, 8192])
+def test_no_partials_at_real_widths(tokens):
+    """At Llama-3-8B widths no product is split: nothing extra is held."""
+    assert split_parts(4096, tokens, 14336) == 1
+    assert split_parts(14336, tokens, 4096) == 1
