@@ -5,15 +5,14 @@ A weight gradient contracts over the tokens (`K`: batch × sequence on one
 device) into an output of the weight's size. When that output is small
 against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
 products of the output's size, in float32, summed afterwards.
-`memory_model.accelerator_peak` counts every partial buffer of a layer's
-weight gradients (`split_gradient_bytes`) while that layer's backward pass
-runs. Read off XLA:GPU's buffers at the compiled peak of the zoo's Llama on
-2x4: `f32[8,128,256]` partial products (8 of them over 256 local tokens)
-beside the layer's other buffers. Some outlive their layer's backward
-pass, but counting every one of them until the updates put the zoo's
-KerasHub transformers at up to 1.70 of their compiled peak
-(`benchmarks/memory_truth_gpu.py`), against 1.04 for that Llama with the
-layer's own.
+`memory_model.accelerator_peak` counts the largest product's partials of
+a layer's weight gradients (`split_gradient_bytes`) while that layer's
+backward pass runs: each product's are summed as it is made (read off
+XLA:GPU's buffers at the compiled peak of the zoo's Llama on 2x4:
+`f32[8,128,256]` partial products, 8 of them over 256 local tokens, beside
+the layer's other buffers; counting every one of them until the updates put
+the zoo's KerasHub transformers at up to 1.70 of their compiled peak, and
+all of a layer's at once GPT-2 on 2x4 at 1.11, `benchmarks/memory_truth_gpu.py`).
 
 `SPLITS` is what XLA:GPU (jax 0.10.2, default options, compiled for one
 H100 ahead of time) chose for a lone `einsum("km,kn->mn")` of `K` tokens
