@@ -20,7 +20,7 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 # BENCHMARKS.md "memory truth"): estimate / compiled peak 0.86 to 1.14 over
 # the 65 zoo rows, so 14 %. XLA:GPU at real widths (BENCHMARKS.md
 # "real-size memory truth on XLA:GPU", `benchmarks/real_size_gpu.py`): the
-# worst is 0.978 (Llama-2-70B on 32x8, 59.04 against 60.36 GiB), so 3 %
+# worst is 0.977 (Llama-2-70B on 32x8, 58.98 against 60.36 GiB), so 3 %
 # would do there; the zoo's small plans reach 0.76 (`HEADROOM_BYTES`), and a
 # plan for a whole GPU is bounded lower still by XLA:GPU's own limit
 # (`xla_gpu_program_limit`); kept at 14 %. XLA:TPU is not measured: it takes
