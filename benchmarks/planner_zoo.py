@@ -55,13 +55,8 @@ from benchmarks.strategies import (  # noqa: E402
     StrategyNotApplicable,
     handwritten_plan,
 )
-from keras_autoshard import (  # noqa: E402
-    AutoShardDistribution,
-    MeshSpec,
-    PlanError,
-    names_replayed_after,
-    plan,
-)
+from keras_autoshard import AutoShardDistribution, MeshSpec, names_replayed_after, plan  # noqa: E402
+from keras_autoshard.errors import PlanError  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
 from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
 

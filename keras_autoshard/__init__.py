@@ -1,8 +1,26 @@
 """keras-autoshard: shard any Keras 3 model over many devices.
 
-The public API is named here; every other module is internal and may move.
-Pipeline: model → trace (shapes only) → axis graph → plan → apply, then
-reports and checkpoints read the plan.
+The public API is named here, in the style of `keras.distribution`:
+
+- planning: `plan`, `plan_from_rules`, `ShardingPlan`, `MeshSpec`,
+  `HardwareProfile`, `hardware_profile`, `AutoShardDistribution`,
+  `PlanDistribution`, `TensorParallel`, `rematerialize`, `build_abstract`
+  (a model built with no weights), `names_replayed_after` (a model built
+  again gets the same variable paths), and the device setup
+  `simulate_devices`, `make_device_mesh`, `initialize`, `resolve_cluster`,
+  `process_batch_rows`;
+- loading and saving: `load_weights_sharded` (a weights file),
+  `from_preset` (a KerasHub preset), `save_checkpoint`,
+  `restore_checkpoint`, `load_model_sharded`, `complete_steps`, the
+  callback `ShardedCheckpoint` (either backend) and `save_safetensors`;
+- reports: `inspect_compiled`, `compile_for_target`;
+- `keras_autoshard.errors` (every error, under `AutoShardError`) and
+  `keras_autoshard.types` (the data the API returns: `PlanEstimate`,
+  `VariableSharding`, `CompiledReport`, ...).
+
+Every other module is internal and may move. Names the top level held
+before keep working for one release, with a `DeprecationWarning` naming
+where they live now (`_MOVED`).
 
 Names are imported lazily, so `import keras_autoshard` neither imports Keras
 nor fixes its backend: `simulate_devices` and the command line can still set
@@ -10,67 +28,108 @@ nor fixes its backend: `simulate_devices` and the command line can still set
 """
 
 import importlib
+import warnings
 
 _PUBLIC_NAMES = {
-    "ActivationLayout": "keras_autoshard.plans.sharding_plan",
-    "AutoShardError": "keras_autoshard.errors",
-    "BatchSizeError": "keras_autoshard.errors",
-    "ModelNotTraceableError": "keras_autoshard.errors",
     "MeshSpec": "keras_autoshard.plans.sharding_plan",
-    "PlanError": "keras_autoshard.plans.sharding_plan",
     "ShardingPlan": "keras_autoshard.plans.sharding_plan",
-    "VariableSharding": "keras_autoshard.plans.sharding_plan",
-    "PlanEstimate": "keras_autoshard.plans.estimate",
     "HardwareProfile": "keras_autoshard.plans.hardware",
     "hardware_profile": "keras_autoshard.plans.hardware",
     "plan_from_rules": "keras_autoshard.plans.rules",
     "PlanDistribution": "keras_autoshard.apply.jax.plan_distribution",
     "rematerialize": "keras_autoshard.apply.remat",
     "make_device_mesh": "keras_autoshard.apply.jax.device_mesh",
-    "DeviceSetupError": "keras_autoshard.runtime.devices",
     "simulate_devices": "keras_autoshard.runtime.devices",
-    "names_replayed_after": "keras_autoshard.trace.naming",
-    "build_abstract": "keras_autoshard.trace.tracer",
-    "CompiledReport": "keras_autoshard.report.compiled_report",
     "inspect_compiled": "keras_autoshard.report.compiled_program",
     "compile_for_target": "keras_autoshard.apply.jax.target_compile",
-    "TargetCompile": "keras_autoshard.apply.jax.target_compile",
     "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",
     "plan": "keras_autoshard.planner.planner",
-    "CheckpointError": "keras_autoshard.errors",
-    "LoadReport": "keras_autoshard.checkpoint.sharded_load",
+    "build_abstract": "keras_autoshard.trace.tracer",
     "load_weights_sharded": "keras_autoshard.checkpoint.sharded_load",
-    "load_preset_sharded": "keras_autoshard.checkpoint.sharded_load",
     "from_preset": "keras_autoshard.checkpoint.sharded_load",
     "save_checkpoint": "keras_autoshard.checkpoint.orbax_io",
     "restore_checkpoint": "keras_autoshard.checkpoint.orbax_io",
-    "complete_steps": "keras_autoshard.checkpoint.steps",
-    "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_io",
     "load_model_sharded": "keras_autoshard.checkpoint.orbax_io",
-    "ShardedOrbaxCheckpoint": "keras_autoshard.checkpoint.orbax_callback",
-    "ShardedTorchCheckpoint": "keras_autoshard.checkpoint.torch_callback",
+    "ShardedCheckpoint": "keras_autoshard.checkpoint.callback",
     "save_safetensors": "keras_autoshard.checkpoint.safetensors_save",
     "TensorParallel": "keras_autoshard.apply.tensor_parallel",
-    "TensorParallelError": "keras_autoshard.apply.tensor_parallel_setup",
     "initialize": "keras_autoshard.runtime.cluster",
+    "complete_steps": "keras_autoshard.checkpoint.steps",
     "resolve_cluster": "keras_autoshard.runtime.cluster",
-    "ClusterSpec": "keras_autoshard.runtime.cluster",
-    "ClusterError": "keras_autoshard.runtime.cluster",
     "process_batch_rows": "keras_autoshard.runtime.cluster",
+    "names_replayed_after": "keras_autoshard.trace.naming",
 }
 
-__all__ = sorted(_PUBLIC_NAMES)
+# Submodules that are part of the API: `keras_autoshard.errors.PlanError`.
+_SUBMODULES = ("errors", "types")
+
+# Old top-level name -> (module that defines it, its spelling now).
+_MOVED = {
+    **{
+        name: ("keras_autoshard.errors", f"keras_autoshard.errors.{name}")
+        for name in (
+            "AutoShardError",
+            "BatchSizeError",
+            "CheckpointError",
+            "ClusterError",
+            "DeviceSetupError",
+            "ModelNotTraceableError",
+            "PlanError",
+            "TensorParallelError",
+        )
+    },
+    **{
+        name: ("keras_autoshard.types", f"keras_autoshard.types.{name}")
+        for name in (
+            "ActivationLayout",
+            "ClusterSpec",
+            "CompiledReport",
+            "LoadReport",
+            "PlanEstimate",
+            "RestoredCheckpoint",
+            "TargetCompile",
+            "VariableSharding",
+        )
+    },
+    "ShardedOrbaxCheckpoint": (
+        "keras_autoshard.checkpoint.orbax_callback",
+        "keras_autoshard.ShardedCheckpoint (it picks Orbax on JAX)",
+    ),
+    "ShardedTorchCheckpoint": (
+        "keras_autoshard.checkpoint.torch_callback",
+        "keras_autoshard.ShardedCheckpoint (it picks torch.distributed.checkpoint "
+        "on PyTorch)",
+    ),
+    "load_preset_sharded": (
+        "keras_autoshard.checkpoint.sharded_load",
+        "keras_autoshard.from_preset(keras_hub.models.Backbone, preset_dir, "
+        "distribution)",
+    ),
+}
+
+__all__ = sorted([*_PUBLIC_NAMES, *_SUBMODULES])
 __version__ = "0.1.0"
 
 
 def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"keras_autoshard.{name}")
     module_name = _PUBLIC_NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'keras_autoshard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+    if module_name is not None:
+        value = getattr(importlib.import_module(module_name), name)
+        globals()[name] = value
+        return value
+    if name in _MOVED:
+        module_name, now = _MOVED[name]
+        warnings.warn(
+            f"keras_autoshard.{name} is deprecated and leaves the top level in "
+            f"the next release: use {now}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module_name), name)
+    raise AttributeError(f"module 'keras_autoshard' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC_NAMES))
+    return sorted(set(globals()) | set(_PUBLIC_NAMES) | set(_SUBMODULES))

@@ -7,6 +7,26 @@ name the value that was wrong (variable, dim, size, file) and what to do.
 
 from __future__ import annotations
 
+__all__ = [
+    "AutoShardError",
+    "PlanError",
+    "BatchSizeError",
+    "ModelNotTraceableError",
+    "InfeasibleError",
+    "SolverTimeLimitError",
+    "DimSizeMismatchError",
+    "TensorParallelError",
+    "TensorFlowModelParallelError",
+    "CollectiveError",
+    "CheckpointError",
+    "DeviceSetupError",
+    "GpuCompilerMissingError",
+    "ClusterError",
+    "TorchSetupError",
+    "ModelSourceError",
+    "HloParseError",
+]
+
 
 class AutoShardError(Exception):
     """Base of every keras-autoshard error: `except AutoShardError` catches all."""

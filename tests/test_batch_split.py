@@ -110,7 +110,7 @@ def _dense_250():
 
 def test_a_rule_that_cuts_a_dim_the_axis_does_not_divide_names_rule_dim_and_size():
     x = np.zeros((8, 32), "float32")
-    with pytest.raises(ka.PlanError) as raised:
+    with pytest.raises(ka.errors.PlanError) as raised:
         ka.plan(
             _dense_250,
             MESH_2x4,
@@ -135,7 +135,7 @@ def test_memory_budget_takes_bytes_or_size_strings(budget, expected):
 
 @pytest.mark.parametrize("budget", ["1 lightyear", -5, [1], True])
 def test_a_memory_budget_that_is_not_a_size_is_a_clear_error(budget):
-    with pytest.raises(ka.PlanError, match="A size must"):
+    with pytest.raises(ka.errors.PlanError, match="A size must"):
         ka.plan(
             token_flattening_model,
             MESH_2x4,
@@ -145,7 +145,9 @@ def test_a_memory_budget_that_is_not_a_size_is_a_clear_error(budget):
 
 
 def test_a_one_kib_budget_string_is_a_budget_error_not_a_type_error():
-    with pytest.raises(ka.PlanError, match="No plan fits the per-device budget of"):
+    with pytest.raises(
+        ka.errors.PlanError, match="No plan fits the per-device budget of"
+    ):
         ka.plan(
             token_flattening_model,
             MESH_2x4,
@@ -179,7 +181,7 @@ def test_a_partial_last_batch_is_a_clear_error_and_the_model_still_trains(
         model.compile(optimizer="adam", loss="mse")
         if planned_before:
             model.fit(x, y, batch_size=8, verbose=0)
-        with pytest.raises(ka.BatchSizeError) as raised:
+        with pytest.raises(ka.errors.BatchSizeError) as raised:
             model.fit(x[:10], y[:10], batch_size=8, verbose=0)
         message = str(raised.value)
         for fact in ("the last batch has 2 rows", "'batch' (size 4)", "drop"):
@@ -220,7 +222,7 @@ def test_a_first_batch_that_does_not_divide_the_data_axis_is_a_clear_error():
         model = _mlp()
         model.compile(optimizer="adam", loss="mse")
         model.fit(x[:8], y[:8], batch_size=8, verbose=0)
-        with pytest.raises(ka.BatchSizeError, match="this batch has 6 rows"):
+        with pytest.raises(ka.errors.BatchSizeError, match="this batch has 6 rows"):
             model.fit(x, y, batch_size=6, verbose=0)
         model.fit(x[:8], y[:8], batch_size=4, verbose=0)
 
@@ -395,7 +397,7 @@ def test_a_model_jax_cannot_trace_is_a_clear_error_naming_layer_and_line():
     batch = (np.ones((8, 4), "float32"), np.full((8,), 3, "int32"))
     model = Scheduled()
     model(batch)  # eagerly the length is a number: the model builds and runs
-    with pytest.raises(ka.ModelNotTraceableError) as error:
+    with pytest.raises(ka.errors.ModelNotTraceableError) as error:
         ka.plan(model, MESH_2x4, sample_input=batch)
     message = str(error.value)
     assert "tracing stopped in layer 'schedule' (LinspaceFromInput)" in message

@@ -15,14 +15,14 @@ from safetensors.numpy import save_file
 from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
-    CheckpointError,
     MeshSpec,
     PlanDistribution,
-    load_preset_sharded,
     load_weights_sharded,
     names_replayed_after,
     plan_from_rules,
 )
+from keras_autoshard.checkpoint.sharded_load import load_preset_sharded
+from keras_autoshard.errors import CheckpointError
 from keras_autoshard.trace.keras_layout import keras_h5_keys
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

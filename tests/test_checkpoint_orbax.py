@@ -12,10 +12,8 @@ import pytest
 from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
-    CheckpointError,
     MeshSpec,
     PlanDistribution,
-    ShardedOrbaxCheckpoint,
     complete_steps,
     load_model_sharded,
     make_device_mesh,
@@ -23,6 +21,8 @@ from keras_autoshard import (
     restore_checkpoint,
     save_checkpoint,
 )
+from keras_autoshard.checkpoint.orbax_callback import ShardedOrbaxCheckpoint
+from keras_autoshard.errors import CheckpointError
 
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))
 MESH_1x8 = MeshSpec((1, 8), ("batch", "model"))

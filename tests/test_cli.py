@@ -423,8 +423,9 @@ def test_estimate_checks_flag_only_differences_over_the_tolerance():
 
 
 def test_figure_layout_gives_each_column_block_to_its_model_axis_devices():
-    from keras_autoshard import MeshSpec, VariableSharding
+    from keras_autoshard import MeshSpec
     from keras_autoshard.report.plan_figure import block_devices
+    from keras_autoshard.types import VariableSharding
 
     mesh = MeshSpec((2, 4), ("batch", "model"))
     kernel = VariableSharding("up/kernel", (64, 256), "float32", (None, "model"))

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from keras_autoshard import DeviceSetupError, simulate_devices
+from keras_autoshard import simulate_devices
+from keras_autoshard.errors import DeviceSetupError
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import pytest
 from keras import layers, ops
 
 import keras_autoshard as ka
-from keras_autoshard import PlanError
+from keras_autoshard.errors import PlanError
 from tests.parity import assert_close
 
 LATENT = 16

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from benchmarks import zoo
-from keras_autoshard import MeshSpec, PlanError, plan
+from keras_autoshard import MeshSpec, plan
+from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.hardware import (
     PROFILES,
     axis_bandwidths,

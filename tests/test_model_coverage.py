@@ -230,7 +230,7 @@ def assert_fails_with_a_clear_error(class_name, mesh_name):
     case = CASES[class_name]
     model = build(case)
     inputs = case.make_inputs(coverage.BATCH_SIZE)
-    with pytest.raises(ka.ModelNotTraceableError) as error:
+    with pytest.raises(ka.errors.ModelNotTraceableError) as error:
         ka.plan(model, coverage.MESHES[mesh_name], sample_input=inputs)
     assert NOT_TRACEABLE[class_name][1] in str(error.value)
     assert isinstance(error.value.__cause__, jax.errors.ConcretizationTypeError)

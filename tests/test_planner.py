@@ -6,7 +6,8 @@ import pytest
 
 import keras_autoshard as ka
 from benchmarks import zoo
-from keras_autoshard import MeshSpec, PlanError
+from keras_autoshard import MeshSpec
+from keras_autoshard.errors import PlanError
 from keras_autoshard.planner.planner import plan_with_cost
 from tests.parity import check_parity
 

@@ -70,8 +70,8 @@ def test_repeated_paths_apply_and_train_like_one_device():
 
 def _plan_with_specs(first, second):
     variables = [
-        ka.VariableSharding("proj/kernel#0", (16, 64), "float32", first),
-        ka.VariableSharding("proj/kernel#1", (16, 32), "float32", second),
+        ka.types.VariableSharding("proj/kernel#0", (16, 64), "float32", first),
+        ka.types.VariableSharding("proj/kernel#1", (16, 32), "float32", second),
     ]
     return ka.ShardingPlan(mesh=MESH_2x4, variables=tuple(variables))
 
@@ -84,5 +84,5 @@ def test_layout_map_holds_repeated_paths_that_share_a_spec():
 
 def test_layout_map_refuses_repeated_paths_with_different_specs():
     plan = _plan_with_specs((None, "model"), ("model", None))
-    with pytest.raises(ka.PlanError, match="LayoutMap keys layouts by path"):
+    with pytest.raises(ka.errors.PlanError, match="LayoutMap keys layouts by path"):
         plan.to_layout_map(ka.make_device_mesh(MESH_2x4))

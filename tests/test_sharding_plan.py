@@ -10,14 +10,14 @@ from benchmarks import zoo
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
-    PlanError,
     ShardingPlan,
-    VariableSharding,
     make_device_mesh,
     names_replayed_after,
     plan_from_rules,
 )
+from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.sharding_plan import ActivationLayout
+from keras_autoshard.types import VariableSharding
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 

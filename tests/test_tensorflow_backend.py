@@ -12,8 +12,9 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import keras_autoshard as ka  # noqa: E402
-from keras_autoshard import MeshSpec, PlanError, TensorParallelError  # noqa: E402
+from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.apply.tensor_parallel_setup import resolve_backend  # noqa: E402
+from keras_autoshard.errors import PlanError, TensorParallelError  # noqa: E402
 from tests import tensorflow_backend_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 

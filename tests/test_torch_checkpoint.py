@@ -96,7 +96,7 @@ def test_a_2x2_checkpoint_restores_on_1x2_and_one_rank_and_training_goes_on(
     # On the JAX backend (this process) the torch checkpoint is refused with
     # the conversion that works.
     model = worker.build("mlp", seed=1)
-    with pytest.raises(ka.CheckpointError, match="save_weights.*load_weights"):
+    with pytest.raises(ka.errors.CheckpointError, match="save_weights.*load_weights"):
         ka.restore_checkpoint(model, saved_2x2 / "ckpt")
 
 
@@ -152,7 +152,7 @@ def test_torch_save_refuses_what_it_cannot_do_naming_the_argument(
 ):
     model, directory, handed = _as_if_on_torch(monkeypatch, tmp_path)
     ((name, value),) = argument.items()
-    with pytest.raises(ka.CheckpointError, match=f"{name}={value}"):
+    with pytest.raises(ka.errors.CheckpointError, match=f"{name}={value}"):
         ka.save_checkpoint(model, directory, step=1, **argument)
     assert handed == {}  # refused before any rank writes
 
@@ -171,5 +171,7 @@ def test_a_damaged_torch_record_is_an_error_naming_the_file(tmp_path):
     step.mkdir(parents=True)
     (step / "keras_autoshard.json").write_text("{not json")
     model = worker.build("mlp", seed=1)
-    with pytest.raises(ka.CheckpointError, match=str(step / "keras_autoshard.json")):
+    with pytest.raises(
+        ka.errors.CheckpointError, match=str(step / "keras_autoshard.json")
+    ):
         ka.restore_checkpoint(model, tmp_path / "ckpt")

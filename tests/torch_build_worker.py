@@ -138,7 +138,7 @@ def run_init(mesh_text, out_dir) -> dict:
     try:
         ka.TensorParallel(loads_weights, distributed_backend="torch")
         problems.append("a builder that loads weights was accepted")
-    except ka.TensorParallelError as error:
+    except ka.errors.TensorParallelError as error:
         if "assigned" not in str(error) or "weights=" not in str(error):
             problems.append(f"unclear error for a loading builder: {error}")
     if torch.distributed.get_rank() == 0:

@@ -143,7 +143,7 @@ def run_callback(mesh, x, y, out_dir) -> dict:
     directory = os.path.join(out_dir, "callback")
     tp = wrapped(mesh, seed=0)
     tp.compile(optimizer=adam(), loss="mse")
-    callback = ka.ShardedTorchCheckpoint(
+    callback = ka.ShardedCheckpoint(
         directory, save_freq=2, max_to_keep=2, metadata=lambda step: {"at": step}
     )
     repeats = 6
@@ -183,7 +183,7 @@ def run_damaged(mesh, x, out_dir) -> dict:
         try:
             ka.restore_checkpoint(tp, directory)
             problems.append(f"restoring {name} raised nothing")
-        except ka.CheckpointError as error:
+        except ka.errors.CheckpointError as error:
             text = str(error)
             if ".distcp" not in text or not ("model/" in text or "optimizer/" in text):
                 problems.append(f"{name}: no file or variable named: {text}")
@@ -199,7 +199,7 @@ def run_damaged(mesh, x, out_dir) -> dict:
     try:
         ka.restore_checkpoint(other, os.path.join(out_dir, "ckpt"))
         problems.append("another model's checkpoint raised nothing")
-    except ka.CheckpointError as error:
+    except ka.errors.CheckpointError as error:
         if "another model" not in str(error):
             problems.append(f"unclear error for another model: {error}")
     return {"ok": not problems, "problems": problems}

@@ -126,7 +126,7 @@ def run(name: str, mesh_text: str, out_dir: str, jax_file: str, bad_file: str) -
     try:
         tp.load_weights(bad_file)
         problems.append("loading another model's file raised nothing")
-    except ka.CheckpointError as error:
+    except ka.errors.CheckpointError as error:
         if bad_file not in str(error) or "/kernel" not in str(error):
             problems.append(f"the error names no file or variable: {error}")
     problems += compare_with_file(tp.wrapped_model, jax_file, "after the bad file")

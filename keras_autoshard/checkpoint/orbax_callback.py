@@ -49,6 +49,9 @@ class ShardedOrbaxCheckpoint(keras.callbacks.OrbaxCheckpoint):
     ```
     """
 
+    # `ShardedCheckpoint` counts it as one of its own (`isinstance`).
+    _is_sharded_checkpoint = True
+
     def __init__(
         self,
         directory,
@@ -60,9 +63,10 @@ class ShardedOrbaxCheckpoint(keras.callbacks.OrbaxCheckpoint):
         if keras.backend.backend() == "torch":
             raise CheckpointError(
                 "ShardedOrbaxCheckpoint saves JAX arrays with Orbax; on the "
-                "PyTorch backend use keras_autoshard.ShardedTorchCheckpoint("
-                f"{os.fspath(directory)!r}, save_freq=..., max_to_keep=...) "
-                "(torch.distributed.checkpoint, each rank its shards)."
+                "PyTorch backend use keras_autoshard.ShardedCheckpoint("
+                f"{os.fspath(directory)!r}, save_freq=..., max_to_keep=...), "
+                "which saves with torch.distributed.checkpoint there (each "
+                "rank its shards)."
             )
         super().__init__(directory, **kwargs)
         self._metadata = metadata

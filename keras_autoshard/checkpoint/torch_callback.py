@@ -44,6 +44,9 @@ class ShardedTorchCheckpoint(keras.callbacks.Callback):
     ```
     """
 
+    # `ShardedCheckpoint` counts it as one of its own (`isinstance`).
+    _is_sharded_checkpoint = True
+
     def __init__(
         self,
         directory: str | os.PathLike,
