@@ -44,13 +44,17 @@ def public_objects() -> Iterator[tuple[str, str, object]]:
         yield f"keras_autoshard.{name}", module, getattr(package, name)
     types = importlib.import_module("keras_autoshard.types")
     for name in types.__all__:
-        yield f"keras_autoshard.types.{name}", "keras_autoshard.types", getattr(
-            types, name
+        yield (
+            f"keras_autoshard.types.{name}",
+            "keras_autoshard.types",
+            getattr(types, name),
         )
     errors = importlib.import_module("keras_autoshard.errors")
     for name in errors.__all__:
-        yield f"keras_autoshard.errors.{name}", "keras_autoshard.errors", getattr(
-            errors, name
+        yield (
+            f"keras_autoshard.errors.{name}",
+            "keras_autoshard.errors",
+            getattr(errors, name),
         )
     collectives = importlib.import_module(COLLECTIVES_MODULE)
     for name in collectives.__all__:
