@@ -42,27 +42,15 @@ def public_objects() -> Iterator[tuple[str, str, object]]:
     package = importlib.import_module("keras_autoshard")
     for name, module in package._PUBLIC_NAMES.items():
         yield f"keras_autoshard.{name}", module, getattr(package, name)
-    types = importlib.import_module("keras_autoshard.types")
-    for name in types.__all__:
-        yield (
-            f"keras_autoshard.types.{name}",
-            "keras_autoshard.types",
-            getattr(types, name),
-        )
-    errors = importlib.import_module("keras_autoshard.errors")
-    for name in errors.__all__:
-        yield (
-            f"keras_autoshard.errors.{name}",
-            "keras_autoshard.errors",
-            getattr(errors, name),
-        )
-    collectives = importlib.import_module(COLLECTIVES_MODULE)
-    for name in collectives.__all__:
-        yield (
-            f"{COLLECTIVES_MODULE}.{name}",
-            COLLECTIVES_MODULE,
-            getattr(collectives, name),
-        )
+    # Modules of the API whose `__all__` is documented, each under its name.
+    for module_name in (
+        "keras_autoshard.types",
+        "keras_autoshard.errors",
+        COLLECTIVES_MODULE,
+    ):
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            yield f"{module_name}.{name}", module_name, getattr(module, name)
 
 
 def own_members(cls: type) -> list[tuple[str, object]]:
