@@ -75,14 +75,17 @@ def distribute_batch(distribution, tree):
     return jax.tree_util.tree_map(put, tree)
 
 
+# Adam's epsilon in parity runs, 1e-6 instead of Keras's 1e-7: for gradients
+# near epsilon, Adam's update g / (|g| + eps) turns reduction-order rounding
+# (1e-7 relative) into update differences of 1e-3 relative; 1e-6 keeps that
+# below tolerance without changing what is compared.
+ADAM_EPSILON = 1e-6
+
+
 def _adam(accumulation_steps: int = 1):
-    # epsilon 1e-6 instead of 1e-7: for gradients near epsilon, Adam's update
-    # g / (|g| + eps) turns reduction-order rounding (1e-7 relative) into
-    # update differences of 1e-3 relative; 1e-6 keeps that below tolerance
-    # without changing what is compared.
     return keras.optimizers.Adam(
         1e-3,
-        epsilon=1e-6,
+        epsilon=ADAM_EPSILON,
         gradient_accumulation_steps=(
             accumulation_steps if accumulation_steps > 1 else None
         ),

@@ -21,7 +21,7 @@ from keras import layers, ops
 
 import keras_autoshard as ka
 from keras_autoshard.errors import PlanError
-from tests.parity import assert_close
+from tests.parity import ADAM_EPSILON, PARITY_SEED, assert_close
 
 LATENT = 16
 ROWS = 8
@@ -135,8 +135,11 @@ def make_gan(weights=None) -> GAN:
 
 def compile_gan(gan: GAN) -> None:
     gan.compile(
-        d_optimizer=keras.optimizers.Adam(1e-3),
-        g_optimizer=keras.optimizers.Adam(1e-3),
+        # The parity runs' epsilon (`tests.parity.ADAM_EPSILON`): with Keras's
+        # 1e-7 one run in three of the suite put the generator's first kernel
+        # 2.3e-3 (relative) from one device after 2 steps on 8x1.
+        d_optimizer=keras.optimizers.Adam(1e-3, epsilon=ADAM_EPSILON),
+        g_optimizer=keras.optimizers.Adam(1e-3, epsilon=ADAM_EPSILON),
         loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
     )
 
@@ -163,6 +166,10 @@ def _run(gan, real, steps=2):
 @pytest.fixture(scope="module")
 def one_device():
     real = real_images()
+    # Seeded as `tests.parity` seeds its references: unseeded, each run drew
+    # other initial weights, and about one run in four drew some whose
+    # training Adam's rounding amplifies past the tolerance on 8x1.
+    keras.utils.set_random_seed(PARITY_SEED)
     gan = make_gan()
     compile_gan(gan)
     weights = [np.asarray(v.value) for v in gan.variables]

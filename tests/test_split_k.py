@@ -8,6 +8,7 @@ import pytest
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import Assignment
 from keras_autoshard.planner.split_k import (
+    activation_products,
     input_gradient_partials,
     kept_partials_factors,
     split_parts,
@@ -67,13 +68,20 @@ def test_kept_partials_of_a_merged_product():
     graph = gated(approximate=True)
     gate, up = _product_of(graph, "gate"), _product_of(graph, "up")
     assert split_parts(WIDTH, TOKENS, 2 * HIDDEN) == 4
-    assert kept_partials_factors(graph, UNCUT, {}, frozenset({gate, up})) == {
+    assert kept_partials_factors(
+        graph, activation_products(graph, UNCUT, {}), frozenset({gate, up})
+    ) == {
         gate: 4.0,
         up: 4.0,
     }
     # Only the gate kept: the partials still hold the up's half.
-    assert kept_partials_factors(graph, UNCUT, {}, frozenset({gate})) == {gate: 8.0}
-    assert kept_partials_factors(graph, UNCUT, {}, frozenset()) == {}
+    assert kept_partials_factors(
+        graph, activation_products(graph, UNCUT, {}), frozenset({gate})
+    ) == {gate: 8.0}
+    assert (
+        kept_partials_factors(graph, activation_products(graph, UNCUT, {}), frozenset())
+        == {}
+    )
 
 
 def test_more_partials_than_xla_keeps_are_not_kept():
@@ -87,7 +95,12 @@ def test_more_partials_than_xla_keeps_are_not_kept():
     cut = Assignment(class_axis={features: "model"})
     assert split_parts(WIDTH, TOKENS, 2 * HIDDEN / 4) == 8
     kept = frozenset({gate, up})
-    assert kept_partials_factors(graph, cut, {"model": 4}, kept) == {}
+    assert (
+        kept_partials_factors(
+            graph, activation_products(graph, cut, {"model": 4}), kept
+        )
+        == {}
+    )
 
 
 def test_input_gradient_partials_of_three_projections():
@@ -109,7 +122,9 @@ def test_input_gradient_partials_of_three_projections():
         if graph.tensors[lhs].kind == "activation"
     }
     assert split_parts(WIDTH, TOKENS, WIDTH) == 8
-    assert input_gradient_partials(graph, UNCUT, {}) == {h: 3 * 7}
+    assert input_gradient_partials(graph, activation_products(graph, UNCUT, {})) == {
+        h: 3 * 7
+    }
 
 
 @pytest.mark.parametrize("tokens", [4096, 8192])

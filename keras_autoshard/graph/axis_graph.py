@@ -365,6 +365,18 @@ class AxisGraph:
         return dataclasses.replace(self, comm_events=tuple(split))
 
     @functools.cached_property
+    def product_contractions(self) -> dict[int, tuple[int, ...]]:
+        """Output id -> the classes each matrix product (`dot_general`)
+        contracts, from its forward communication event; read-only."""
+        return {
+            event.tensor: event.classes
+            for event in self.comm_events
+            if event.kind == "contract"
+            and event.phase == "forward"
+            and event.primitive == "dot_general"
+        }
+
+    @functools.cached_property
     def param_casts(self) -> tuple[tuple[int, int], ...]:
         """`(cast, parameter)` of `casts`: parameters read in another
         precision."""

@@ -79,6 +79,7 @@ from keras_autoshard.planner.remat import (
     layer_calls,
 )
 from keras_autoshard.planner.split_k import (
+    activation_products,
     gradient_buffers,
     kept_partials_factors,
     split_gradient_bytes,
@@ -430,8 +431,9 @@ def accelerator_peak(
     # and activations whose gradient a product makes in split partials.
     whole = dataclasses.replace(assignment, fsdp={})
     residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
-    partials_kept = kept_partials_factors(graph, whole, sizes, residuals)
-    gradient_buffers_of = gradient_buffers(graph, whole, sizes)
+    products = activation_products(graph, whole, sizes)
+    partials_kept = kept_partials_factors(graph, products, residuals)
+    gradient_buffers_of = gradient_buffers(graph, products)
 
     def held(terms) -> float:
         return part * sum(

@@ -283,19 +283,27 @@ def _local_size(tensor, assignment: Assignment, sizes, dims) -> float:
     return math.prod(tensor.shape[d] / (sizes[axes[d]] if axes[d] else 1) for d in dims)
 
 
-def _activation_products(
+# (output, activation operand, M, K, N) of one product on one device.
+ProductDims = tuple[int, int, float, float, float]
+
+
+def activation_products(
     graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> list[tuple[int, int, float, float, float]]:
+) -> list[ProductDims]:
     """(output, activation operand, M, K, N) on one device of each
     unbatched product one of whose operands is an activation: `M` the
-    output's dims that come from it, `K` the contraction, `N` the rest."""
-    contracted = {
-        event.tensor: event.classes
-        for event in graph.comm_events
-        if event.kind == "contract"
-        and event.phase == "forward"
-        and event.primitive == "dot_general"
-    }
+    output's dims that come from it, `K` the contraction, `N` the rest.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (products
+            run in the compute layout).
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        One entry per product, in `AxisGraph.products` order.
+    """
+    contracted = graph.product_contractions
     found = []
     for out, lhs, rhs, lhs_free in graph.products:
         read = lhs if graph.tensors[lhs].kind == "activation" else rhs
@@ -315,10 +323,7 @@ def _activation_products(
 
 
 def kept_partials_factors(
-    graph: AxisGraph,
-    assignment: Assignment,
-    sizes: dict[str, int],
-    kept: frozenset[int],
+    graph: AxisGraph, products: list[ProductDims], kept: frozenset[int]
 ) -> dict[int, float]:
     """Output id -> bytes XLA:GPU keeps per byte of the output, for the
     kept outputs of products whose partial results it keeps instead.
@@ -335,9 +340,7 @@ def kept_partials_factors(
 
     Args:
         graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out (products
-            run in the compute layout).
-        sizes: Mesh axis name -> size.
+        products: `activation_products` of the candidate sharding.
         kept: The activations the backward pass keeps.
 
     Returns:
@@ -347,14 +350,13 @@ def kept_partials_factors(
     # Output -> the kept value that stands for it (itself or an image).
     held_as = {}
     for out, images, needed in graph.fused_products:
-        for tid in (out, *images) if needed else ():
-            if tid in kept:
-                held_as[out] = tid
-                break
+        held = [tid for tid in (out, *images) if needed and tid in kept]
+        if held:
+            held_as[out] = held[0]
     fused = {out for out, _, _ in graph.fused_products}
     # (input, M, K) -> [(output, N)]: one product per group.
     groups: dict[tuple, list[tuple[int, float]]] = {}
-    for out, read, m, k, n in _activation_products(graph, assignment, sizes):
+    for out, read, m, k, n in products:
         groups.setdefault((read, m, k), []).append((out, n))
     factors = {}
     for (_, m, k), members in groups.items():
@@ -373,7 +375,7 @@ def kept_partials_factors(
 
 
 def input_gradient_partials(
-    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+    graph: AxisGraph, products: list[ProductDims]
 ) -> dict[int, int]:
     """Activation id -> the buffers of its size, beyond one per product that
     reads it, that XLA:GPU holds while it forms the activation's gradient:
@@ -386,24 +388,21 @@ def input_gradient_partials(
 
     Args:
         graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out.
-        sizes: Mesh axis name -> size.
+        products: `activation_products` of the candidate sharding.
 
     Returns:
         The extra buffers per activation a split product reads (others
         absent).
     """
     extra: dict[int, int] = {}
-    for _, read, m, k, n in _activation_products(graph, assignment, sizes):
+    for _, read, m, k, n in products:
         split = split_parts(n, m, k)
         if split > 1 and graph.tensors[read].requires_grad:
             extra[read] = extra.get(read, 0) + split - 1
     return extra
 
 
-def gradient_buffers(
-    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> dict[int, int]:
+def gradient_buffers(graph: AxisGraph, products: list[ProductDims]) -> dict[int, int]:
     """Activation id -> buffers of its size XLA:GPU holds at once while it
     forms the activation's gradient, where more than one: for an
     activation several products read, each product's input gradient (a
@@ -413,14 +412,13 @@ def gradient_buffers(
 
     Args:
         graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out.
-        sizes: Mesh axis name -> size.
+        products: `activation_products` of the candidate sharding.
 
     Returns:
         The buffers per activation (absent: one).
     """
     readers = collections.Counter(t for pair in graph.matmul_pairs for t in pair)
-    extra = input_gradient_partials(graph, assignment, sizes)
+    extra = input_gradient_partials(graph, products)
     buffers = {}
     for tid in set(extra) | {t for t, count in readers.items() if count > 1}:
         count = readers.get(tid, 0)
