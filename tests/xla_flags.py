@@ -15,6 +15,17 @@ every parity check are compiled at the same level, and a model whose
 training amplifies rounding is judged by its measured sensitivity
 (`tests.parity.adam_steps_sensitivity`).
 
+`--xla_cpu_use_fusion_emitters=false` has XLA:CPU emit its fusions with its
+elemental emitters instead of the newer fusion emitters, which also wrap
+every unfused instruction in a fusion of its own. It halves compiling again
+(the whole suite's compile seconds, 880 -> about 400; a Qwen3.5 train step,
+6.4 s -> under 3 s) and changes neither the HLO passes' collectives nor a
+program's argument, output and aliased bytes; the wrapped fusions move the
+memory scheduler's ties, so temporary bytes may differ by a little
+(`tests/test_compiled_report.py`: GPT-2 128 bytes; over the zoo's train
+steps the most was +2.7 %, the Llama's free plan on 2x4). XLA:GPU ignores
+it. BENCHMARKS.md's memory-truth figures are compiled with XLA's defaults.
+
 The user-experience tests (`tests/test_readme.py`, `tests/test_wheel.py`,
 `tests/test_cli_target.py`, `tests/test_devices.py`) run subprocesses with
 XLA's defaults, as a user's shell has them.
@@ -22,15 +33,16 @@ XLA's defaults, as a user's shell has them.
 
 import os
 
-SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+SUITE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
 
 
 def with_suite_flags(flags: str) -> str:
-    """`flags` (an `XLA_FLAGS` value) with the suite's code-generation level,
-    unless it sets a level of its own."""
-    if "--xla_backend_optimization_level" in flags:
-        return flags
-    return f"{flags} {SUITE_XLA_FLAGS}".strip()
+    """`flags` (an `XLA_FLAGS` value) with the suite's code generation,
+    each flag unless `flags` sets its own."""
+    own = [flag for flag in SUITE_XLA_FLAGS.split() if flag.split("=")[0] not in flags]
+    return " ".join([flags, *own]).strip()
 
 
 def child_env(**overrides: str) -> dict[str, str]:
