@@ -84,7 +84,7 @@ from keras_autoshard.planner.split_k import (
     kept_partials_factors,
     split_gradient_bytes,
 )
-from keras_autoshard.planner.stream_drift import held_as_partitioned
+from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -378,9 +378,11 @@ def accelerator_peak(
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized;
     a split product's partials where XLA:GPU keeps them in its output's
-    place, `split_k.kept_partials_factors`), the gradients of every
-    parameter read by it or a layer above (in its cast's precision where
-    the batch reduces them, `AxisGraph.narrowed_params`), and a workspace:
+    place, `split_k.kept_partials_factors`; the gathered copies of what a
+    storage cut's drift holds cut, `stream_drift.gathered_by_stage`), the
+    gradients of every parameter read by it or a layer above (in its
+    cast's precision where the batch reduces, `AxisGraph.narrowed_params`),
+    and a workspace:
     the larger of two. One is the gradient being formed, one buffer of the
     layer's largest batch activation, or, for an activation several
     products read, each product's input gradient (in its partials where
@@ -425,6 +427,7 @@ def accelerator_peak(
     last = len(stages) - 1
     position = {layer: i for i, layer in enumerate(layer_calls(graph))}
     kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
+    gathered = gathered_by_stage(graph, assignment, sizes, remat, kept)
     assignment = held_as_partitioned(graph, assignment, sizes, kept)
 
     # Products whose split partial results are kept in their output's place,
@@ -513,7 +516,7 @@ def accelerator_peak(
     alive = 0.0  # what the stages up to this one still read
     for i, stage in enumerate(stages):
         alive += held(stage.kept_to_here)
-        kept = alive + held(stage.own)
+        kept = alive + held(stage.own) + gathered[i] * part
         workspace = max(largest[i] + partials[i], combined[i])
         best = max(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)

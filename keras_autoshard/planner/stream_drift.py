@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
-from keras_autoshard.planner.cost_model import Assignment, tensor_axes
+from keras_autoshard.planner.cost_model import Assignment, local_bytes, tensor_axes
+from keras_autoshard.planner.remat import layer_calls
 from keras_autoshard.plans.mesh import entry_axes
 
 
@@ -148,7 +149,13 @@ def held_as_partitioned(
     activation the backward pass keeps of a layer that is not
     rematerialized (`kept`). Read off the same 16x16
     program at 8 layers, the lower 4 rematerialized: XLA holds the upper
-    layers' kept activations of the hidden class cut over `model`.
+    layers' kept activations of the hidden class cut over `model`. A norm
+    scale's cut reaches them too (at 11 layers, the lower 2
+    rematerialized: both norms' outputs of every other layer are held a
+    sixteenth as large, 32 MiB where counted whole they were 512 MiB,
+    estimate over compiled 1.19); where a product the plan computes whole
+    over that axis reads one, its gathered copy is kept as well
+    (`gathered_by_stage`).
     A rematerialized layer's recomputed activations are made whole, as the
     plan computes them.
 
@@ -173,7 +180,7 @@ def held_as_partitioned(
         if tensor.id in between_layers:
             reaching = drifted
         elif tensor.id in kept:
-            reaching = from_kernels
+            reaching = drifted
         else:
             continue
         # The axes its dims take, those of a merged run's cut included.
@@ -188,6 +195,93 @@ def held_as_partitioned(
         if added:
             cuts[tensor.id] = tuple(cuts.get(tensor.id, ())) + tuple(added)
     return dataclasses.replace(assignment, activation_cuts=cuts)
+
+
+def gathered_by_stage(
+    graph: AxisGraph,
+    assignment: Assignment,
+    sizes: Mapping[str, int],
+    remat: frozenset[str],
+    kept: frozenset[int],
+) -> list[float]:
+    """Gathered copies of activations held cut that a device holds at each
+    stage of the backward pass (`remat.accelerator_stages` order).
+
+    An activation held cut over an axis the plan computes it whole on
+    (`held_as_partitioned`: a storage cut's drift) is gathered over that
+    axis for the matrix products that need it whole, and XLA:GPU forms the
+    weight gradients of a layer that is not rematerialized at the end of
+    the backward pass, from gathered copies held until then:
+    - a kept input read by a product computed whole over the axis (its
+      output has no dim on it: grouped key and value projections whose few
+      heads the axis does not divide): the forward pass's gathered copy,
+      held from the forward pass;
+    - a kept input read by products computed cut over the axis: one copy
+      gathered in the layer's backward pass, shared by those products;
+    - a product's output whose class the axis holds cut (a row-parallel
+      projection back to the hidden dim): its gradient, gathered.
+    Read off XLA:GPU's programs of a Llama at Llama-2-70B widths on 16x16
+    with the lower 2 layers rematerialized: at 5 layers each upper layer
+    holds five such 512 MiB copies (the attention norm's output twice, the
+    feed-forward norm's, the attention and feed-forward outputs'
+    gradients) while the rematerialized layers' backward passes run (the
+    peak; the estimate was 0.75 of it at 3 layers); at 11 layers, where the
+    top layer's backward pass peaks, the forward copies.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, as the plan computes it.
+        sizes: Mesh axis name -> size.
+        remat: Names of the rematerialized layer calls.
+        kept: Ids of the activations kept from the forward pass to the
+            backward pass.
+
+    Returns:
+        Bytes per device at each stage (one entry per stage).
+    """
+    held = held_as_partitioned(graph, assignment, sizes, kept)
+    order = layer_calls(graph)
+    position = {layer: i for i, layer in enumerate(order)}
+    params = {t.id for t in graph.tensors if t.kind == "param"}
+    params.update(cast for cast, _ in graph.param_casts)
+    drifted = {
+        **kernel_drift(graph, assignment),
+        **stream_drift(graph, assignment).classes,
+    }
+    forward = 0.0
+    late = [0.0] * (len(order) + 1)
+    counted: set[tuple[str, int, str]] = set()
+
+    def add(layer: str, tid: int, copy: str) -> None:
+        nonlocal forward
+        if (layer, tid, copy) in counted:
+            return
+        counted.add((layer, tid, copy))
+        size = local_bytes(graph.tensors[tid], assignment, sizes)
+        if copy == "forward":
+            forward += size
+        else:
+            late[position.get(layer, len(order))] += size
+
+    for out, lhs, rhs, _ in graph.products:
+        layer = graph.tensor_layers[out]
+        if layer in remat or not {lhs, rhs} & params:
+            continue
+        out_axes = _names(tensor_axes(graph.tensors[out], assignment))
+        for operand in {lhs, rhs} - params:
+            axes = _names(a for _, a in held.activation_cuts.get(operand, ()))
+            cut = axes - _names(tensor_axes(graph.tensors[operand], assignment))
+            if operand in kept and cut:
+                add(layer, operand, "backward" if cut & out_axes else "forward")
+        classes = graph.tensors[out].dim_classes
+        if _names(drifted[c] for c in classes if c in drifted) - out_axes:
+            add(layer, out, "gradient")
+    stages = []
+    running = forward
+    for i in reversed(range(len(late))):  # a layer's own from the one below
+        stages.append(running)
+        running += late[i]
+    return stages[::-1]
 
 
 def merged_group_cuts(
