@@ -247,6 +247,13 @@ def test_a_scale_cut_reaches_what_the_backward_pass_keeps():
     assert normed not in held_as_partitioned(graph, assignment, SIZES).activation_cuts
 
 
+def _gathered(graph, assignment, remat, kept):
+    from keras_autoshard.planner.stream_drift import gathered_by_stage
+
+    held = held_as_partitioned(graph, assignment, SIZES, kept)
+    return gathered_by_stage(graph, assignment, held, SIZES, remat, kept)
+
+
 def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
     """Where a storage cut's drift holds a kept activation cut, XLA:GPU
     forms a layer's weight gradients at the end of the backward pass from
@@ -261,7 +268,6 @@ def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
     layer while the lower layers' backward passes run (estimate 0.75 of
     that peak without them, at 3 layers)."""
     from keras_autoshard.planner.remat import layer_calls
-    from keras_autoshard.planner.stream_drift import gathered_by_stage
 
     graph = _graph()
     order = layer_calls(graph)
@@ -282,7 +288,7 @@ def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
     late = local_bytes(graph.tensors[normed], whole, SIZES) + local_bytes(
         graph.tensors[down_out], whole, SIZES
     )
-    stages = gathered_by_stage(graph, megatron, SIZES, remat, kept)
+    stages = _gathered(graph, megatron, remat, kept)
     assert len(stages) == len(order) + 1
     assert stages == [late if i < position else 0.0 for i in range(len(stages))]
     # `up` computed whole over `model`: the forward pass's gathered copy of
@@ -290,13 +296,11 @@ def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
     replicated = Assignment(class_axis={}, fsdp=fsdp)
     copy = local_bytes(graph.tensors[normed], Assignment(class_axis={}), SIZES)
     gradient = local_bytes(graph.tensors[down_out], Assignment(class_axis={}), SIZES)
-    stages = gathered_by_stage(graph, replicated, SIZES, remat, kept)
+    stages = _gathered(graph, replicated, remat, kept)
     assert stages == [
         copy + (gradient if i < position else 0.0) for i in range(len(stages))
     ]
     # Rematerialized, block_1 makes its activations again: no copy.
-    assert set(
-        gathered_by_stage(graph, megatron, SIZES, remat | {"block_1"}, kept)
-    ) == {0.0}
+    assert set(_gathered(graph, megatron, remat | {"block_1"}, kept)) == {0.0}
     # No storage cut, no drift, no copy.
-    assert set(gathered_by_stage(graph, whole, SIZES, remat, kept)) == {0.0}
+    assert set(_gathered(graph, whole, remat, kept)) == {0.0}

@@ -378,20 +378,19 @@ def accelerator_peak(
     differentiated reads (a rematerialized layer keeps only its input), the
     current layer's own residuals (made again when it is rematerialized;
     a split product's partials where XLA:GPU keeps them in its output's
-    place, `split_k.kept_partials_factors`; the gathered copies of what a
+    place, `split_k.kept_partials_factors`; gathered copies of what a
     storage cut's drift holds cut, `stream_drift.gathered_by_stage`), the
     gradients of every parameter read by it or a layer above (in its
     cast's precision where the batch reduces, `AxisGraph.narrowed_params`),
-    and a workspace:
-    the larger of two. One is the gradient being formed, one buffer of the
-    layer's largest batch activation, or, for an activation several
-    products read, each product's input gradient (in its partials where
-    XLA:GPU splits it, `split_k.input_gradient_partials`) beside their sum,
-    with the partial products of the layer's weight gradients that XLA:GPU
-    splits over the tokens (`split_k.split_gradient_bytes`: one product's
-    at a time, each summed as it is made; none at real widths). The other
-    is the largest combined reduction of the gradients over the batch axes
-    so far (its concatenated operand beside its result; XLA packs them in
+    and a workspace: the larger of two. One is the gradient being formed,
+    one buffer of the layer's largest batch activation, or, for an
+    activation several products read, each product's input gradient (in
+    its partials where XLA:GPU splits it, `split_k.input_gradient_partials`)
+    beside their sum, with the partial products of the layer's weight
+    gradients XLA:GPU splits over the tokens (`split_k.split_gradient_bytes`:
+    one product's at a time, each summed as made; none at real widths). The
+    other is the largest combined reduction of the gradients over the batch
+    axes so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
     six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
     6.3 MB each, as the combined all-reduce's operand and result; six
@@ -427,8 +426,9 @@ def accelerator_peak(
     last = len(stages) - 1
     position = {layer: i for i, layer in enumerate(layer_calls(graph))}
     kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
-    gathered = gathered_by_stage(graph, assignment, sizes, remat, kept)
-    assignment = held_as_partitioned(graph, assignment, sizes, kept)
+    held = held_as_partitioned(graph, assignment, sizes, kept)
+    gathered = gathered_by_stage(graph, assignment, held, sizes, remat, kept)
+    assignment = held
 
     # Products whose split partial results are kept in their output's place,
     # and activations whose gradient a product makes in split partials.

@@ -200,6 +200,7 @@ def held_as_partitioned(
 def gathered_by_stage(
     graph: AxisGraph,
     assignment: Assignment,
+    held: Assignment,
     sizes: Mapping[str, int],
     remat: frozenset[str],
     kept: frozenset[int],
@@ -231,6 +232,7 @@ def gathered_by_stage(
     Args:
         graph: The model's axis graph.
         assignment: The candidate sharding, as the plan computes it.
+        held: The same as XLA holds it (`held_as_partitioned` of `kept`).
         sizes: Mesh axis name -> size.
         remat: Names of the rematerialized layer calls.
         kept: Ids of the activations kept from the forward pass to the
@@ -239,7 +241,6 @@ def gathered_by_stage(
     Returns:
         Bytes per device at each stage (one entry per stage).
     """
-    held = held_as_partitioned(graph, assignment, sizes, kept)
     order = layer_calls(graph)
     position = {layer: i for i, layer in enumerate(order)}
     params = {t.id for t in graph.tensors if t.kind == "param"}
