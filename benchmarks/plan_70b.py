@@ -82,11 +82,9 @@ def main() -> None:
             f"{short_levers(result.plan)} | "
             f"{format_bytes(sum(estimate.communication_by_axis.values()))} |"
         )
+        # The planner gives one note per kind, with its count of calls.
         gqa = [n for n in result.plan.notes if "GQA" in n]
-        notes += [
-            f"{mesh_text} ({len(gqa)} attention layers): {n}"
-            for n in dict.fromkeys(gqa)
-        ]
+        notes += [f"{mesh_text}: {n}" for n in dict.fromkeys(gqa)]
     lines = [
         "## Planning a Llama-2-70B-shaped model (no weights allocated)",
         "",
