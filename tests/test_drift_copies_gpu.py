@@ -20,25 +20,19 @@ import pytest
 
 from benchmarks import real_size_gpu
 from benchmarks.reduced_depth import pinned_estimate, restricted_plan
-from keras_autoshard import MeshSpec, build_abstract
+from keras_autoshard import ShardingPlan, build_abstract
 from keras_autoshard.apply.jax.target_compile import compile_for_target
-from keras_autoshard.planner.planner import plan_with_cost
 
 ROW = "Llama-2-70B@16x16"
 REMATERIALIZED = 2
 
 
 @pytest.fixture(scope="module")
-def full_plan():
-    row = real_size_gpu.real_size_rows()
-    (row,) = [r for r in row if real_size_gpu.row_key(r) == ROW]
-    result = plan_with_cost(
-        row.builder(),
-        MeshSpec(row.mesh, ("batch", "model")),
-        row.sample_input(),
-        hardware=real_size_gpu.TARGET,
-    )
-    return row, result.plan
+def full_plan(tmp_path_factory):
+    """The benchmark's row and its plan of the whole depth."""
+    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    real_size_gpu.plan_child(ROW, path)
+    return real_size_gpu._row(ROW), ShardingPlan.load(path)
 
 
 @pytest.mark.parametrize("layers", [3, 7])

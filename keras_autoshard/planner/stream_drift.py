@@ -123,6 +123,16 @@ def kernel_drift(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
     return classes
 
 
+def drifted_classes(graph: AxisGraph, assignment: Assignment) -> dict[int, str]:
+    """Axis class -> the mesh axis XLA's partitioner holds its activations
+    cut over, where the plan computes the class whole: the storage cuts it
+    does not gather (`kernel_drift`, `stream_drift`)."""
+    return {
+        **kernel_drift(graph, assignment),
+        **stream_drift(graph, assignment).classes,
+    }
+
+
 def held_as_partitioned(
     graph: AxisGraph,
     assignment: Assignment,
@@ -164,31 +174,27 @@ def held_as_partitioned(
         assignment: The candidate sharding.
         sizes: Mesh axis name -> size.
         kept: Ids of the activations kept from the forward pass to the
-            backward pass (not recomputed), which a kernel's cut reaches.
+            backward pass (not recomputed), which a storage cut's drift
+            reaches.
 
     Returns:
         `assignment` with those activations' cuts added.
     """
-    from_kernels = kernel_drift(graph, assignment)
-    drifted = {**from_kernels, **stream_drift(graph, assignment).classes}
+    drifted = drifted_classes(graph, assignment)
     cuts = dict(assignment.activation_cuts)
     cuts.update(merged_group_cuts(graph, assignment, sizes))
     if not drifted:
         return dataclasses.replace(assignment, activation_cuts=cuts)
-    between_layers = {t for _, ids in graph.layer_inputs for t in ids}
+    reached = kept.union(t for _, ids in graph.layer_inputs for t in ids)
     for tensor in graph.tensors:
-        if tensor.id in between_layers:
-            reaching = drifted
-        elif tensor.id in kept:
-            reaching = drifted
-        else:
+        if tensor.id not in reached:
             continue
         # The axes its dims take, those of a merged run's cut included.
         used = _names(tensor_axes(tensor, assignment))
         used.update(_names(axis for _, axis in cuts.get(tensor.id, ())))
         added = []
         for dim, cls in enumerate(tensor.dim_classes):
-            axis = reaching.get(cls)
+            axis = drifted.get(cls)
             if axis is not None and not _names([axis]) & used:
                 added.append((dim, axis))
                 used.update(_names([axis]))
@@ -242,13 +248,12 @@ def gathered_by_stage(
         Bytes per device at each stage (one entry per stage).
     """
     order = layer_calls(graph)
+    drifted = drifted_classes(graph, assignment)
+    if not drifted:  # nothing held cut, nothing gathered
+        return [0.0] * (len(order) + 1)
     position = {layer: i for i, layer in enumerate(order)}
     params = {t.id for t in graph.tensors if t.kind == "param"}
     params.update(cast for cast, _ in graph.param_casts)
-    drifted = {
-        **kernel_drift(graph, assignment),
-        **stream_drift(graph, assignment).classes,
-    }
     forward = 0.0
     late = [0.0] * (len(order) + 1)
     counted: set[tuple[str, int, str]] = set()
