@@ -1,0 +1,68 @@
+"""The rules of cuDNN's fused attention (`graph/jaxpr/fused_attention.py`)
+on tiny jaxprs, traced on a CPU by answering JAX's cuDNN version probe as a
+GPU machine does (as `tests/test_fused_attention.py` does)."""
+
+import jax
+
+from keras_autoshard.graph.jaxpr import fused_attention
+from tests.graph.jaxpr.small_graphs import (
+    class_of,
+    family_primitives,
+    graph_of,
+    named,
+    output,
+)
+from tests.test_fused_attention import cudnn_found
+
+KERNEL = "contracted inside cuDNN's fused attention"
+
+
+def test_the_family_rules_the_forward_and_backward_kernels():
+    assert family_primitives(fused_attention) == {
+        *fused_attention.FORWARD_PRIMITIVES,
+        *fused_attention.BACKWARD_PRIMITIVES,
+    }
+
+
+def _attention_graph(kv_heads, causal):
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+
+    with cudnn_found():
+        return graph_of(
+            f,
+            ("input", "q", (2, 16, 4, 8), "bfloat16"),
+            ("input", "k", (2, 16, kv_heads, 8), "bfloat16"),
+            ("input", "v", (2, 16, kv_heads, 8), "bfloat16"),
+        )
+
+
+def test_batch_heads_and_query_sequence_go_with_the_output():
+    graph = _attention_graph(kv_heads=4, causal=False)
+    q, k, v = (named(graph, name) for name in "qkv")
+    out = output(graph)
+    assert (
+        q.dim_classes[0] == k.dim_classes[0] == v.dim_classes[0] == out.dim_classes[0]
+    )
+    assert (
+        q.dim_classes[2] == k.dim_classes[2] == v.dim_classes[2] == out.dim_classes[2]
+    )
+    assert q.dim_classes[1] == out.dim_classes[1]
+    assert class_of(graph, q, 1).shardable
+    assert class_of(graph, k, 1).unshardable_reason == KERNEL
+    assert class_of(graph, q, 3).unshardable_reason == KERNEL
+    forward = [e for e in graph.comm_events if e.phase == "forward"]
+    assert [e.classes for e in forward] == [(k.dim_classes[1],)] * 2
+
+
+def test_grouped_heads_are_cut_together_and_a_causal_mask_keeps_the_queries_whole():
+    graph = _attention_graph(kv_heads=2, causal=True)
+    q, k = named(graph, "q"), named(graph, "k")
+    assert q.dim_classes[2] != k.dim_classes[2]
+    grouped = {(e.source, e.target) for e in graph.slice_edges}
+    assert (k.dim_classes[2], q.dim_classes[2]) in grouped
+    assert (q.dim_classes[2], k.dim_classes[2]) in grouped
+    reason = "query sequence of a causal or windowed fused attention"
+    assert class_of(graph, q, 1).unshardable_reason == reason
