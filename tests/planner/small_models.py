@@ -1,6 +1,6 @@
 """Small models and their axis graphs for the planner's unit tests: an
 embedding and two residual MLP blocks (`blocks_model`), traced over shapes
-only, and graphs of functions written in a test (`graph_of`)."""
+only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import MeshAxis
 from keras_autoshard.trace.tracer import trace_model
-from tests.graph.jaxpr.small_graphs import graph_of  # noqa: F401  (for the tests)
 
 BATCH, TOKENS, WIDTH, HIDDEN, VOCABULARY = 4, 8, 16, 64, 50
 TOKEN_IDS = jax.ShapeDtypeStruct((BATCH, TOKENS), "int32")

@@ -6,7 +6,8 @@ from keras_autoshard.planner.batch_classes import (
     eligible_classes,
     input_batch_classes,
 )
-from tests.planner.small_models import batch_class, blocks_graph, graph_of, param_class
+from tests.graph.jaxpr.small_graphs import graph_of
+from tests.planner.small_models import batch_class, blocks_graph, param_class
 
 
 def test_the_batch_is_the_inputs_leading_class_and_a_sequence_is_not_offered():

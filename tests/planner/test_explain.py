@@ -3,7 +3,7 @@
 from keras_autoshard.planner.cost_model import Assignment
 from keras_autoshard.planner.explain import batch_notes
 from keras_autoshard.plans.sharding_plan import MeshSpec
-from tests.planner.small_models import graph_of
+from tests.graph.jaxpr.small_graphs import graph_of
 
 
 def _graph(rows):

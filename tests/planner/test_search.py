@@ -2,11 +2,11 @@
 
 from keras_autoshard.planner.cost_model import MeshAxis, PlannerOptions
 from keras_autoshard.planner.search import search
+from tests.graph.jaxpr.small_graphs import graph_of
 from tests.planner.small_models import (
     AXES,
     batch_class,
     blocks_graph,
-    graph_of,
     param_class,
 )
 

@@ -54,7 +54,9 @@ def test_batch_heads_and_query_sequence_go_with_the_output():
     assert class_of(graph, k, 1).unshardable_reason == KERNEL
     assert class_of(graph, q, 3).unshardable_reason == KERNEL
     forward = [e for e in graph.comm_events if e.phase == "forward"]
-    assert [e.classes for e in forward] == [(k.dim_classes[1],)] * 2
+    assert [(e.primitive, e.classes) for e in forward] == [
+        ("dot_product_attention_fwd_wrapper", (k.dim_classes[1],))
+    ] * 2
 
 
 def test_grouped_heads_are_cut_together_and_a_causal_mask_keeps_the_queries_whole():
@@ -66,3 +68,21 @@ def test_grouped_heads_are_cut_together_and_a_causal_mask_keeps_the_queries_whol
     assert (q.dim_classes[2], k.dim_classes[2]) in grouped
     reason = "query sequence of a causal or windowed fused attention"
     assert class_of(graph, q, 1).unshardable_reason == reason
+
+
+def test_the_backward_kernels_gradients_are_laid_out_as_their_operands():
+    def query_gradient(q, k, v):
+        def loss(q):
+            attended = jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+            return attended.astype("float32").sum()
+
+        return jax.grad(loss)(q)
+
+    args = [("input", name, (2, 16, 4, 8), "bfloat16") for name in "qkv"]
+    with cudnn_found():
+        graph = graph_of(query_gradient, *args)
+        structs = [jax.ShapeDtypeStruct(arg[2], arg[3]) for arg in args]
+        traced = str(jax.make_jaxpr(query_gradient)(*structs))
+    assert fused_attention.BACKWARD_PRIMITIVES[0] in traced
+    assert graph.unknown_primitives == ()
+    assert output(graph).dim_classes == named(graph, "q").dim_classes
