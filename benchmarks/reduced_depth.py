@@ -124,7 +124,7 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
     axes = planning_axes(mesh)
     pins = _pins(graph, sharding_plan, {a.name for a in axes if a.data_only})
     chosen = choose_levers(graph, axes, mesh, options, pins)
-    planned, _ = _finish_plan(graph, traced.variables, mesh, None, chosen)
+    planned, _ = _finish_plan(graph, traced.variables, mesh, {}, chosen)
     check_same_levers(sharding_plan, planned)
     differences = spec_differences(sharding_plan, planned)
     return planned.estimate, time.perf_counter() - start, differences

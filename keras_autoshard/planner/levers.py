@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.axis_graph import AxisGraph
@@ -41,6 +42,12 @@ from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import (
     compute_flops_per_device,
     estimate_memory,
+)
+from keras_autoshard.planner.notes import (
+    accumulation_description,
+    fit_suggestions,
+    lever_text,
+    remat_description,
 )
 from keras_autoshard.planner.pins import Pins
 from keras_autoshard.planner.remat import layer_calls, remat_families
@@ -62,6 +69,30 @@ from keras_autoshard.plans.mesh import MeshSpec
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.runtime.gpu_targets import device_memory_size
 
+LeverKind = Literal["rematerialize", "accumulate", "sequence_parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One memory lever of a plan, beside its sharding.
+
+    Args:
+        kind: `"rematerialize"` (layer calls recomputed in the backward
+            pass), `"accumulate"` (gradient accumulation over micro-batches)
+            or `"sequence_parallel"` (the token dim cut between
+            tensor-parallel regions).
+        description: What it does, in words (`notes.lever_text` adds why).
+        asked: Whether the user asked for it, rather than the planner
+            choosing it to fit the budget.
+
+    Example:
+        `Lever("accumulate", "gradient accumulation over 2 micro-batches", False)`
+    """
+
+    kind: LeverKind
+    description: str
+    asked: bool = False
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -75,6 +106,7 @@ class Candidate:
         micro_batches: Gradient accumulation parts (1: none).
         sequence: The sequence-parallel cut, already in `assignment`
             (`None`: not asked for).
+        levers: Its levers (`estimate.levers` holds their text).
     """
 
     assignment: Assignment
@@ -83,6 +115,7 @@ class Candidate:
     estimate: PlanEstimate
     micro_batches: int = 1
     sequence: SequenceCut | None = None
+    levers: tuple[Lever, ...] = ()
 
 
 class NoFit(Exception):
@@ -261,7 +294,7 @@ def choose_levers(
         candidate = attempt(choices[-1], sequence_modes[-1], micro_batches)
         if candidate is not None:
             return candidate
-    raise NoFit(best, _suggestions(graph, mesh, best.estimate))
+    raise NoFit(best, fit_suggestions(mesh, best.estimate))
 
 
 def _asked_accumulation(
@@ -293,7 +326,7 @@ def _asked_accumulation(
     # budget, raised "exceeds the budget by -1.67 GiB").
     if options.memory_budget_bytes is None or _fits(best):
         return best
-    raise NoFit(best, _suggestions(graph, mesh, best.estimate))
+    raise NoFit(best, fit_suggestions(mesh, best.estimate))
 
 
 def accumulation_options(
@@ -366,6 +399,12 @@ def _candidate(
         platform=options.platform,
     )
     flops, recomputed = compute_flops_per_device(graph, axes, assignment, chosen)
+    levers = _memory_levers(
+        remat,
+        micro_batches,
+        asked=options.rematerialize != "auto",
+        asked_micro_batches=options.gradient_accumulation_steps is not None,
+    ) + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True)
     profile = options.hardware
     # Per step of the whole batch: every micro-batch reduces the gradients
     # over the data axes again.
@@ -383,19 +422,15 @@ def _candidate(
         step_time_s=None
         if profile is None
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
-        levers=_describe_levers(
-            remat,
-            micro_batches,
-            asked=options.rematerialize != "auto",
-            asked_micro_batches=options.gradient_accumulation_steps is not None,
-        )
-        + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
+        levers=tuple(lever_text(lever) for lever in levers),
         search=None if assignment.search is None else assignment.search.describe(),
     )
     estimate = dataclasses.replace(
         estimate, compiler_limit_bytes=_compiler_limit(estimate, profile)
     )
-    return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
+    return Candidate(
+        assignment, tuple(remat), cost, estimate, micro_batches, sequence, levers
+    )
 
 
 def _compiler_limit(estimate: PlanEstimate, profile) -> int | None:
@@ -411,11 +446,11 @@ def _compiler_limit(estimate: PlanEstimate, profile) -> int | None:
 
 def _sequence_levers(
     sequence: SequenceCut | None, axes, asked: bool
-) -> tuple[str, ...]:
+) -> tuple[Lever, ...]:
     if sequence is None or not sequence.layers:
         return ()
     size = {a.name: a.size for a in axes}[sequence.axis]
-    return (describe_sequence(sequence, size) + (ASKED if asked else ""),)
+    return (Lever("sequence_parallel", describe_sequence(sequence, size), asked),)
 
 
 SEQUENCE_PARALLEL_REQUESTS = (False, True, "auto")
@@ -479,78 +514,21 @@ def _data_axes(axes: tuple[MeshAxis, ...]) -> set[str]:
     return {a.name for a in axes if a.data_only or a.members}
 
 
-# Ends a lever the user asked for rather than one chosen to fit.
-ASKED = " (asked for)"
-
-
-def _describe_levers(
+def _memory_levers(
     remat: tuple[str, ...],
     micro_batches: int = 1,
     asked: bool = False,
     asked_micro_batches: bool = False,
-) -> tuple[str, ...]:
+) -> tuple[Lever, ...]:
     levers = []
     if remat:
-        shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
-        levers.append(
-            f"rematerialize {len(remat)} layer call(s) in the backward pass "
-            f"(jax.checkpoint, nothing saved inside): {shown}"
-            + (ASKED if asked else "")
-        )
+        levers.append(Lever("rematerialize", remat_description(remat), asked))
     if micro_batches > 1:
         levers.append(
-            f"gradient accumulation over {micro_batches} micro-batches: feed "
-            f"1/{micro_batches} of the planned batch per step with "
-            f"`gradient_accumulation_steps={micro_batches}` on the optimizer"
-            + (ASKED if asked_micro_batches else " (nothing else fits the whole batch)")
+            Lever(
+                "accumulate",
+                accumulation_description(micro_batches),
+                asked_micro_batches,
+            )
         )
     return tuple(levers)
-
-
-def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
-    """Changes that would fit the budget, from the least-peak estimate."""
-    budget = estimate.usable_bytes or 0
-    state = estimate.parameter_bytes + estimate.gradient_bytes
-    state += estimate.optimizer_bytes
-    per_batch = estimate.activation_bytes + estimate.data_bytes
-    per_batch += estimate.transient_bytes + estimate.cache_bytes
-    suggestions = []
-    devices = mesh.device_count
-    needed = devices * estimate.peak_bytes / max(budget, 1)
-    suggestions.append(
-        f"about {2 ** math.ceil(math.log2(max(needed, devices + 1)))} devices "
-        f"instead of {devices} (state and batch cut further)"
-    )
-    if state < budget and per_batch > 0:
-        steps = max(2, math.ceil(per_batch / (budget - state)))
-        # Accumulating, the update writes every variable, its slots and its
-        # accumulator anew beside the old (`memory_model`): at most twice
-        # the parameters and their slots, and two accumulators.
-        variables = estimate.parameter_bytes + estimate.optimizer_bytes
-        update = 2 * variables + 2 * estimate.parameter_bytes
-        if estimate.job == "train" and update <= budget:
-            suggestions.append(
-                f"a batch {steps}x smaller per step, or gradient accumulation "
-                f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
-                f"the optimizer, each step fed 1/{steps} of the batch)"
-            )
-        elif estimate.job == "train":
-            suggestions.append(
-                f"a batch {steps}x smaller per step (gradient accumulation "
-                "would not fit: its update holds the variables and their "
-                "optimizer slots twice)"
-            )
-        else:  # no optimizer to accumulate in: the batch, or the sequence
-            suggestions.append(
-                f"a batch {steps}x smaller per step (or shorter sequences: "
-                "the largest activations"
-                + (" and the key/value cache" if estimate.job == "generate" else "")
-                + " grow with them)"
-            )
-    else:
-        suggestions.append(
-            f"the model's state alone ({format_bytes(state)} per device) "
-            "exceeds the budget: only more devices (or a smaller optimizer "
-            "state) help"
-        )
-    return suggestions
