@@ -100,8 +100,9 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
         AssertionError: the planner's plan has other levers.
     """
     from keras_autoshard.graph.builder import build_axis_graph
-    from keras_autoshard.planner.cost_model import PlannerOptions, planning_axes
+    from keras_autoshard.planner.cost_model import PlannerOptions
     from keras_autoshard.planner.levers import choose_levers
+    from keras_autoshard.planner.mesh_axis import planning_axes
     from keras_autoshard.planner.planner import _finish_plan
     from keras_autoshard.plans.hardware import hardware_profile
     from keras_autoshard.trace.tracer import build_abstract, trace_model

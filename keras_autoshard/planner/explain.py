@@ -10,9 +10,9 @@ from keras_autoshard.planner.cost_model import (
     PlanCost,
     PlannerOptions,
     contraction_flops,
-    planning_axes,
     repeated_products,
 )
+from keras_autoshard.planner.mesh_axis import planning_axes
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
 from keras_autoshard.plans.plan_table import format_bytes
 

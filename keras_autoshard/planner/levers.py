@@ -1,7 +1,7 @@
 """Memory levers chosen together with the sharding.
 
 For one mesh, the planner tries each rematerialization option
-(`remat_options`: none, then the repeated-layer families of
+(`lever_options.remat_options`: none, then the repeated-layer families of
 `remat.remat_families` added one at a time, largest saving first), each
 without and then, when `sequence_parallel="auto"`, with sequence
 parallelism (`sequence_parallel.py`: it recomputes nothing, so it comes
@@ -26,23 +26,25 @@ the peak as the objective) and the changes that would fit.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import (
     Assignment,
-    MeshAxis,
     PlanCost,
     PlannerOptions,
     evaluate,
 )
-from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import (
-    compute_flops_per_device,
-    estimate_memory,
+from keras_autoshard.planner.lever_options import (
+    accumulation_options,
+    remat_options,
+    rows_per_data_rank,
+    sequence_parallel_modes,
 )
+from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.memory_model import estimate_memory
+from keras_autoshard.planner.mesh_axis import MeshAxis
 from keras_autoshard.planner.notes import (
     accumulation_description,
     fit_suggestions,
@@ -50,7 +52,6 @@ from keras_autoshard.planner.notes import (
     remat_description,
 )
 from keras_autoshard.planner.pins import Pins
-from keras_autoshard.planner.remat import layer_calls, remat_families
 from keras_autoshard.planner.search import search
 from keras_autoshard.planner.sequence_parallel import (
     SequenceCut,
@@ -58,6 +59,7 @@ from keras_autoshard.planner.sequence_parallel import (
     with_sequence_cut,
 )
 from keras_autoshard.planner.sequence_parallel import describe as describe_sequence
+from keras_autoshard.planner.step_flops import compute_flops_per_device
 from keras_autoshard.plans.estimate import (
     COMPILERS,
     PlanEstimate,
@@ -140,63 +142,6 @@ class NoFit(Exception):
         estimate's headroom)."""
         estimate = self.best.estimate
         return estimate.peak_bytes - (estimate.usable_bytes or 0)
-
-
-REMAT_REQUESTS = ("auto", "none", "all")
-
-
-def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str, ...]]:
-    """Rematerialization options in order of recomputation.
-
-    Args:
-        graph: The model's axis graph.
-        job: `"train"`, `"inference"` or `"generate"` (nothing to rematerialize).
-        request: `"auto"` (every option, the planner chooses), `"none"`,
-            `"all"` (every repeated-layer family) or layer names.
-
-    Returns:
-        Tuples of layer names: none first, then each family added (one
-        option only for a request other than `"auto"`).
-
-    Raises:
-        PlanError: When a requested layer is not a unit of the model
-            (`graph/blocks.py`), or `"all"` finds no family to rematerialize.
-    """
-    options: list[tuple[str, ...]] = [()]
-    if job != "train" or request == "none":
-        return options
-    for family in remat_families(graph):
-        options.append(options[-1] + family)
-    if request == "auto":
-        return options
-    if request == "all":
-        if len(options) == 1:
-            units = layer_calls(graph)
-            raise PlanError(
-                "rematerialize='all' asks for every family of repeated layers, "
-                "and this model has none whose rematerialization frees memory "
-                f"(its layer calls: {units[:12]}{' …' if len(units) > 12 else ''}). "
-                "Name the layers to rematerialize instead, or plan without it."
-            )
-        return [options[-1]]
-    return [_requested_layers(graph, request)]
-
-
-def _requested_layers(graph: AxisGraph, request) -> tuple[str, ...]:
-    if isinstance(request, str):
-        raise PlanError(
-            f"rematerialize={request!r}: use one of {REMAT_REQUESTS} or a "
-            "list of layer names (as the plan's `rematerialize` lists them)."
-        )
-    layers = layer_calls(graph)
-    missing = sorted(set(request) - set(layers))
-    if missing:
-        raise PlanError(
-            f"rematerialize names {missing}, which are not layer calls the "
-            f"planner can rematerialize; the model's are {layers[:12]}"
-            f"{' …' if len(layers) > 12 else ''}."
-        )
-    return tuple(layer for layer in layers if layer in set(request))
 
 
 def choose_levers(
@@ -304,7 +249,7 @@ def _asked_accumulation(
     rematerialization and sequence option that fits, else the one that
     needs the least memory (a `NoFit` when a budget was set)."""
     steps = options.gradient_accumulation_steps
-    rows = _rows_per_data_rank(graph, axes)
+    rows = rows_per_data_rank(graph, axes)
     if options.job != "train" or rows % steps:
         raise PlanError(
             f"gradient_accumulation_steps={steps}: a training step's batch per "
@@ -320,47 +265,11 @@ def _asked_accumulation(
     best = _candidate(
         graph, axes, mesh, options, assignment, choices[-1], steps, sequence_modes[-1]
     )
-    # The search's budget is linear and may refuse a plan whose estimate
-    # fits (Llama-2-70B widths on 16x16, its 68 rematerialized layers and 2
-    # micro-batches pinned: estimated 63.68 GiB, 1.67 under the usable
-    # budget, raised "exceeds the budget by -1.67 GiB").
+    # The search's budget row is an envelope of the step's phases, above the
+    # estimate: it may refuse a plan whose estimate fits, which is kept.
     if options.memory_budget_bytes is None or _fits(best):
         return best
     raise NoFit(best, fit_suggestions(mesh, best.estimate))
-
-
-def accumulation_options(
-    graph: AxisGraph, axes: tuple[MeshAxis, ...], job: str
-) -> list[int]:
-    """Micro-batch counts to try: powers of two dividing each device's
-    batch (the inputs' leading dim over the data axes).
-
-    Args:
-        graph: The model's axis graph.
-        axes: Mesh axes of size > 1.
-        job: `"train"`, `"inference"` or `"generate"` (no accumulation).
-
-    Returns:
-        Counts in increasing order (empty when the batch cannot be split).
-    """
-    if job != "train":
-        return []
-    per_device = _rows_per_data_rank(graph, axes)
-    counts, parts = [], 2
-    while parts <= per_device:
-        if per_device % parts == 0:
-            counts.append(parts)
-        parts *= 2
-    return counts
-
-
-def _rows_per_data_rank(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> int:
-    """The batch one data-parallel rank feeds a step (the inputs' leading
-    dim over the data axes; 1 without inputs)."""
-    inputs = [t for t in graph.tensors if t.kind == "input" and t.shape]
-    if not inputs:
-        return 1
-    return inputs[0].shape[0] // math.prod(a.size for a in axes if a.data_only)
 
 
 def _fits(candidate: Candidate) -> bool:
@@ -451,33 +360,6 @@ def _sequence_levers(
         return ()
     size = {a.name: a.size for a in axes}[sequence.axis]
     return (Lever("sequence_parallel", describe_sequence(sequence, size), asked),)
-
-
-SEQUENCE_PARALLEL_REQUESTS = (False, True, "auto")
-
-
-def sequence_parallel_modes(request, job: str) -> tuple[bool, ...]:
-    """Sequence-parallel options to try, in order.
-
-    Args:
-        request: `False`, `True`, or `"auto"` (only where the plan without it
-            does not fit: tried before each rematerialization option, as it
-            recomputes nothing).
-        job: `"train"`, `"inference"` or `"generate"`.
-
-    Returns:
-        `(False,)`, `(True,)` or `(False, True)`.
-
-    Raises:
-        ValueError: For another request.
-    """
-    if request not in SEQUENCE_PARALLEL_REQUESTS or request is None:
-        raise ValueError(
-            f"sequence_parallel={request!r}: use one of {SEQUENCE_PARALLEL_REQUESTS}."
-        )
-    if request == "auto":
-        return (False, True)
-    return (bool(request),)
 
 
 def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:

@@ -57,6 +57,7 @@ from keras_autoshard.planner.gradient_reduction import (
     gathered_weight_copies,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.milp_program import MilpProgram, Terms
 from keras_autoshard.planner.remat import (
     accelerator_stages,
     gathered_param_terms,
@@ -69,11 +70,13 @@ PEAK_WEIGHT = 1e3
 MIB = 2.0**20
 
 
-def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> None:
+def add_peak_budget(
+    program: MilpProgram, remat: frozenset[str], micro_batches: int = 1
+) -> None:
     """Add the row `peak per device <= budget` to `program`.
 
     Args:
-        program: The search's `milp_program.Program` (its graph, options, mesh axes,
+        program: The search's `MilpProgram` (its graph, options, mesh axes,
             linear program and `bytes_terms`).
         remat: Names of the layer calls rematerialized (`graph/blocks.py`).
         micro_batches: Gradient accumulation parts (what the batch makes
@@ -212,7 +215,7 @@ LOWEST_STAGES = 3
 
 
 def _lowest_stage_rows(
-    program, remat: frozenset[str], part: float, transient: int
+    program: MilpProgram, remat: frozenset[str], part: float, transient: int
 ) -> list[tuple[dict[int, float], float]]:
     """Rows for the last stages of an accelerator's backward pass (the
     lowest layers'), where every finished gradient is held
@@ -282,7 +285,12 @@ def _lowest_stage_rows(
     return rows
 
 
-def _gathered_weight_row(program, remat, state_terms, state_fixed):
+def _gathered_weight_row(
+    program: MilpProgram,
+    remat: frozenset[str],
+    state_terms: Terms,
+    state_fixed: float,
+) -> tuple[Terms, float]:
     """The phase of `memory_model.gathered_weight_bytes`: the state, and the
     weight stored cut for storage (FSDP) that adds most while its layer's
     gradient is formed (its gathered copy and whole gradient, less its

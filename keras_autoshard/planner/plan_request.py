@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from keras_autoshard.errors import PlanError
 from keras_autoshard.planner.cost_model import PlannerOptions
-from keras_autoshard.planner.levers import sequence_parallel_modes
+from keras_autoshard.planner.lever_options import sequence_parallel_modes
 from keras_autoshard.planner.memory_model import JOBS
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
 from keras_autoshard.plans.rules import Spec

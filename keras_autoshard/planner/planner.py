@@ -16,11 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 
 from keras_autoshard.graph.axis_graph import AxisGraph
-from keras_autoshard.planner.cost_model import (
-    PlanCost,
-    planning_axes,
-    tensor_axes,
-)
+from keras_autoshard.planner.cost_model import PlanCost, tensor_axes
 from keras_autoshard.planner.explain import (
     NOT_COMPUTED_REASON,
     USER_RULE_REASON,
@@ -30,6 +26,7 @@ from keras_autoshard.planner.explain import (
 from keras_autoshard.planner.levers import Candidate, NoFit, choose_levers
 from keras_autoshard.planner.linear_program import InfeasibleError
 from keras_autoshard.planner.memory_model import batch_axis
+from keras_autoshard.planner.mesh_axis import planning_axes
 from keras_autoshard.planner.notes import (
     memory_note,
     no_fit_message,

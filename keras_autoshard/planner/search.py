@@ -17,14 +17,10 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import (
     input_batch_classes as batch_input_classes,
 )
-from keras_autoshard.planner.cost_model import (
-    Assignment,
-    MeshAxis,
-    PlannerOptions,
-    mesh_axes,
-)
+from keras_autoshard.planner.cost_model import Assignment, PlannerOptions
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.milp_program import solve_program
+from keras_autoshard.planner.mesh_axis import MeshAxis, mesh_axes
+from keras_autoshard.planner.milp_builder import solve_program
 from keras_autoshard.planner.pins import Pins
 
 logger = logging.getLogger(__name__)
