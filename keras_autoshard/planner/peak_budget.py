@@ -219,7 +219,7 @@ def _lowest_stage_rows(
 ) -> list[tuple[dict[int, float], float]]:
     """Rows for the last stages of an accelerator's backward pass (the
     lowest layers'), where every finished gradient is held
-    (`memory_model.accelerator_peak`): the state, every gradient, one
+    (`accelerator_peak.accelerator_peak`): the state, every gradient, one
     combined reduction of them, the data and targets, what those stages
     still keep (their own residuals and the activations kept for them) and
     the transient `T`.
@@ -261,7 +261,7 @@ def _lowest_stage_rows(
     for tid in graph.outputs:
         if graph.tensors[tid].requires_grad:
             state_constant += graph.tensors[tid].nbytes / data_ways * part
-    # One combined reduction of the gradients (`memory_model.accelerator_peak`):
+    # One combined reduction of the gradients (`accelerator_peak.accelerator_peak`):
     # all of them, in their compute layout, while together they are under
     # XLA's threshold; past it, that share of each (a row must be linear).
     read = [t for t in graph.tensors if t.kind == "param" and t.id not in unread]
