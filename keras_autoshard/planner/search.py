@@ -2,10 +2,11 @@
 
 Each attempt solves the exact program `milp_builder.py` builds (a
 `MilpProgram`): the batch split forced over the data axes, else preferred,
-with identical blocks tied, else free; on the mesh's own axes first, then with an axis spanning them where a
-grouped convolution keeps the batch whole; then, where no axis cuts the
-batch at all (a mesh with no data axis of size > 1), with model axes free to
-cut it, the least replicated compute first.
+with identical blocks tied, else free; on the mesh's own axes first, then
+with an axis spanning them where a grouped convolution keeps the batch
+whole; then, where no axis cuts the batch at all (a mesh with no data axis
+of size > 1), with model axes free to cut it, the least replicated compute
+first.
 """
 
 from __future__ import annotations
