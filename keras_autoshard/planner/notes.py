@@ -1,5 +1,6 @@
 """The notes and messages of a plan: its estimated peak against the budget,
-why variables are held unevenly, why nothing fits.
+its levers in words (`lever_text`), why variables are held unevenly, why
+nothing fits and what would.
 
 Text only, from plain data (`PlanEstimate`, `ShardingPlan`); the planner
 decides, these functions say what it decided.
