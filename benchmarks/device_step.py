@@ -280,10 +280,14 @@ def _plan(builder, x, profile: str, plans: list) -> dict[str, Any]:
     """Plan for a 1x1 mesh under `profile`; the plan is appended to
     `plans`, its figures returned."""
     from keras_autoshard import MeshSpec
+    from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
 
     result = plan_with_cost(
-        builder, MeshSpec((1, 1), ("batch", "model")), x, hardware=profile
+        builder,
+        MeshSpec((1, 1), ("batch", "model")),
+        x,
+        PlanRequest(hardware=profile),
     )
     sharding_plan = result.plan
     plans.append(sharding_plan)

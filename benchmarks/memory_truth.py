@@ -353,6 +353,7 @@ def plan_in_this_process(
     import numpy as np
 
     from keras_autoshard import MeshSpec
+    from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
 
     with open(os.path.join(CONFIGS, config)) as file:
@@ -369,8 +370,7 @@ def plan_in_this_process(
         lambda: cls(**kwargs),
         MeshSpec(tuple(mesh), ("batch", "model")),
         sample,
-        hardware="h100-80gb",
-        sequence_parallel=sequence_parallel,
+        PlanRequest(hardware="h100-80gb", sequence_parallel=sequence_parallel),
     )
     seconds = time.perf_counter() - start
     print(

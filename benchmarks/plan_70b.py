@@ -39,6 +39,7 @@ def main() -> None:
 
     from benchmarks.markdown import short_levers, write_section
     from keras_autoshard import MeshSpec
+    from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.plans.estimate import HEADROOM
     from keras_autoshard.plans.plan_table import format_bytes
@@ -64,7 +65,7 @@ def main() -> None:
         mesh = MeshSpec((data, model), ("batch", "model"))
         profile = None if hardware == "none" else hardware
         start = time.perf_counter()
-        result = plan_with_cost(build, mesh, sample_input=inputs, hardware=profile)
+        result = plan_with_cost(build, mesh, inputs, PlanRequest(hardware=profile))
         seconds = time.perf_counter() - start
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         estimate = result.plan.estimate

@@ -266,6 +266,7 @@ def _row(key: str) -> RealSizeRow:
 def plan_child(key: str, plan_path: str) -> dict[str, Any]:
     """Child: plan the full depth shapes-only, save the plan."""
     from keras_autoshard import MeshSpec
+    from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
 
     row = _row(key)
@@ -274,7 +275,7 @@ def plan_child(key: str, plan_path: str) -> dict[str, Any]:
         row.builder(),
         MeshSpec(row.mesh, ("batch", "model")),
         row.sample_input(),
-        hardware=TARGET,
+        PlanRequest(hardware=TARGET),
     )
     seconds = time.perf_counter() - start
     result.plan.save(plan_path)

@@ -100,8 +100,9 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
         AssertionError: the planner's plan has other levers.
     """
     from keras_autoshard.graph.builder import build_axis_graph
-    from keras_autoshard.planner.cost_model import PlannerOptions, planning_axes
+    from keras_autoshard.planner.cost_model import PlannerOptions
     from keras_autoshard.planner.levers import choose_levers
+    from keras_autoshard.planner.mesh_axis import planning_axes
     from keras_autoshard.planner.planner import _finish_plan
     from keras_autoshard.plans.hardware import hardware_profile
     from keras_autoshard.trace.tracer import build_abstract, trace_model
@@ -124,7 +125,7 @@ def pinned_estimate(builder, sharding_plan, sample_input, hardware: str):
     axes = planning_axes(mesh)
     pins = _pins(graph, sharding_plan, {a.name for a in axes if a.data_only})
     chosen = choose_levers(graph, axes, mesh, options, pins)
-    planned, _ = _finish_plan(graph, traced.variables, mesh, None, chosen)
+    planned, _ = _finish_plan(graph, traced.variables, mesh, {}, chosen)
     check_same_levers(sharding_plan, planned)
     differences = spec_differences(sharding_plan, planned)
     return planned.estimate, time.perf_counter() - start, differences

@@ -24,6 +24,7 @@ import keras
 import pytest
 
 from keras_autoshard import MeshSpec
+from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.planner import plan_with_cost
 
 BATCH, SEQUENCE, WIDTH, HEADS, HEAD_WIDTH = 16, 128, 64, 8, 16
@@ -94,7 +95,10 @@ SAMPLE = jax.ShapeDtypeStruct((BATCH, SEQUENCE, WIDTH), jnp.float32)
 def planned(kv_heads=4, causal=False, implementation="cudnn", **options):
     with cudnn_found():
         return plan_with_cost(
-            builder(kv_heads, causal, implementation), MESH, SAMPLE, **options
+            builder(kv_heads, causal, implementation),
+            MESH,
+            SAMPLE,
+            PlanRequest(**options),
         )
 
 

@@ -1,7 +1,7 @@
 """XLA:GPU holds every finished gradient until the updates, which Keras
 runs after the whole backward pass, and a combined reduction of gradients
 over the batch holds its concatenated operand beside its result
-(`memory_model.accelerator_peak`, `remat.accelerator_stages`). Checked on
+(`accelerator_peak.accelerator_peak`, `remat.accelerator_stages`). Checked on
 a model written here, compiled deviceless for 8 H100s."""
 
 import jax

@@ -8,6 +8,7 @@ import keras_autoshard as ka
 from benchmarks import zoo
 from keras_autoshard import MeshSpec
 from keras_autoshard.errors import PlanError
+from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.planner import plan_with_cost
 from tests.parity import check_parity
 
@@ -140,7 +141,7 @@ def test_memory_budget_is_respected_and_impossible_budget_is_an_error():
     build, batch = zoo.ZOO["gpt2"]
     free = plan_with_cost(build, MESH_8x1, sample_input=batch())
     budget = int(0.8 * free.plan.estimate.peak_bytes)
-    tight = plan_with_cost(build, MESH_8x1, sample_input=batch(), memory_budget=budget)
+    tight = plan_with_cost(build, MESH_8x1, batch(), PlanRequest(memory_budget=budget))
     assert tight.plan.estimate.peak_bytes <= budget
     assert tight.plan.estimate.budget_bytes == budget
     assert tight.plan.bytes_per_device() < free.plan.bytes_per_device()

@@ -22,6 +22,7 @@ from benchmarks.real_size_gpu import (
 )
 from benchmarks.real_size_report import render, tokens_per_s_per_gpu
 from benchmarks.reduced_depth import fit_linear, pinned_estimate, restricted_plan
+from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.planner import plan_with_cost
 
 MESH = ka.MeshSpec((2, 4), ("batch", "model"))
@@ -110,9 +111,11 @@ def test_the_planner_estimates_that_same_plan_fsdp_storage_included(full_plan):
         builder,
         MESH,
         tokens(),
-        hardware=TARGET,
-        rematerialize=["transformer_layer_1"],
-        gradient_accumulation_steps=2,
+        PlanRequest(
+            hardware=TARGET,
+            rematerialize=["transformer_layer_1"],
+            gradient_accumulation_steps=2,
+        ),
     ).plan
     assert estimate.parameter_bytes < unpinned.estimate.parameter_bytes
 
@@ -149,7 +152,10 @@ def test_a_line_through_three_depths_extrapolates_to_the_full_depth():
 def test_the_estimated_step_covers_the_whole_batch_under_accumulation():
     costs = [
         plan_with_cost(
-            llama(2), MESH, tokens(), hardware=TARGET, gradient_accumulation_steps=k
+            llama(2),
+            MESH,
+            tokens(),
+            PlanRequest(hardware=TARGET, gradient_accumulation_steps=k),
         ).plan.estimate
         for k in (1, 2)
     ]

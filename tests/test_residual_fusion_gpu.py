@@ -50,7 +50,7 @@ def test_pre_norm_mlp_stack_estimate_matches_xla_gpu(activation):
     those rules 0.58, 0.82, 0.97 and 1.01. The bound is 8 %, not 5 %: at the
     top layer's backward pass XLA:GPU holds the gradients of the
     activation's output and input at once (64 MiB each, 5 % of this peak),
-    and the estimate counts one (`memory_model.accelerator_peak`: counting
+    and the estimate counts one (`accelerator_peak.accelerator_peak`: counting
     two for every activation put Llama-shaped models 16 % over; only a
     precision cast's two gradients are counted, as XLA:GPU holds them, see
     the test of the probabilities' cast below)."""

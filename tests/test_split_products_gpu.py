@@ -90,7 +90,7 @@ def test_estimate_counts_kept_partials_and_summed_input_gradients(compiled):
     (estimate / compiled peak): 0.966 on 8x1 and 0.923 on 2x4; before these
     rules (`split_k.kept_partials_factors`, `split_k.input_gradient_partials`
     and the input gradients of several products in
-    `memory_model.accelerator_peak`), 0.625 and 0.712."""
+    `accelerator_peak.accelerator_peak`), 0.625 and 0.712."""
     _, plan, step = compiled
     compiled_peak = compiled_peak_bytes(step.memory)
     assert plan.estimate.peak_bytes == pytest.approx(compiled_peak, rel=0.10), (

@@ -51,16 +51,14 @@ SEQUENCE_PARALLEL = {"on": True, "off": False, "auto": "auto"}
 def make_plan(args: argparse.Namespace, source: ModelSource):
     """Plan the model as the options ask; returns `(PlanningResult, sample,
     abstract model)`."""
+    from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.trace.tracer import build_abstract
 
     model = build_abstract(source.build)
     sample = sample_batch(model, args.batch, args.seq_len, args.input_shape)
     mesh = mesh_from_args(args.mesh, args.axis_names)
-    result = plan_with_cost(
-        model,
-        device_mesh=mesh,
-        sample_input=sample,
+    request = PlanRequest(
         memory_budget=args.memory_budget,
         rules=dict(args.rule) if args.rule else None,
         device_count=args.devices,
@@ -70,6 +68,7 @@ def make_plan(args: argparse.Namespace, source: ModelSource):
         rematerialize=getattr(args, "rematerialize", "auto"),
         sequence_parallel=SEQUENCE_PARALLEL[getattr(args, "sequence_parallel", "off")],
     )
+    result = plan_with_cost(model, mesh, sample, request)
     return result, sample, model
 
 

@@ -10,11 +10,16 @@ from keras_autoshard.planner.cost_model import (
     PlanCost,
     PlannerOptions,
     contraction_flops,
-    planning_axes,
     repeated_products,
 )
+from keras_autoshard.planner.mesh_axis import planning_axes
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
 from keras_autoshard.plans.plan_table import format_bytes
+
+# The reason of a variable a user rule pins.
+USER_RULE_REASON = "user rule"
+# The reason of a variable no floating-point equation of the step reads.
+NOT_COMPUTED_REASON = "replicated: not a floating-point tensor of the computation"
 
 
 def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> list[str]:

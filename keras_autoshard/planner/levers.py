@@ -1,7 +1,7 @@
 """Memory levers chosen together with the sharding.
 
 For one mesh, the planner tries each rematerialization option
-(`remat_options`: none, then the repeated-layer families of
+(`lever_options.remat_options`: none, then the repeated-layer families of
 `remat.remat_families` added one at a time, largest saving first), each
 without and then, when `sequence_parallel="auto"`, with sequence
 parallelism (`sequence_parallel.py`: it recomputes nothing, so it comes
@@ -26,24 +26,32 @@ the peak as the objective) and the changes that would fit.
 from __future__ import annotations
 
 import dataclasses
-import math
+from typing import Literal
 
 from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import (
     Assignment,
-    MeshAxis,
     PlanCost,
     PlannerOptions,
     evaluate,
 )
+from keras_autoshard.planner.lever_options import (
+    accumulation_options,
+    remat_options,
+    rows_per_data_rank,
+    sequence_parallel_modes,
+)
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import (
-    compute_flops_per_device,
-    estimate_memory,
+from keras_autoshard.planner.memory_model import estimate_memory
+from keras_autoshard.planner.mesh_axis import MeshAxis
+from keras_autoshard.planner.notes import (
+    accumulation_description,
+    fit_suggestions,
+    lever_text,
+    remat_description,
 )
 from keras_autoshard.planner.pins import Pins
-from keras_autoshard.planner.remat import layer_calls, remat_families
 from keras_autoshard.planner.search import search
 from keras_autoshard.planner.sequence_parallel import (
     SequenceCut,
@@ -51,6 +59,7 @@ from keras_autoshard.planner.sequence_parallel import (
     with_sequence_cut,
 )
 from keras_autoshard.planner.sequence_parallel import describe as describe_sequence
+from keras_autoshard.planner.step_flops import compute_flops_per_device
 from keras_autoshard.plans.estimate import (
     COMPILERS,
     PlanEstimate,
@@ -61,6 +70,30 @@ from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.runtime.gpu_targets import device_memory_size
+
+LeverKind = Literal["rematerialize", "accumulate", "sequence_parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    """One memory lever of a plan, beside its sharding.
+
+    Args:
+        kind: `"rematerialize"` (layer calls recomputed in the backward
+            pass), `"accumulate"` (gradient accumulation over micro-batches)
+            or `"sequence_parallel"` (the token dim cut between
+            tensor-parallel regions).
+        description: What it does, in words (`notes.lever_text` adds why).
+        asked: Whether the user asked for it, rather than the planner
+            choosing it to fit the budget.
+
+    Example:
+        `Lever("accumulate", "gradient accumulation over 2 micro-batches", False)`
+    """
+
+    kind: LeverKind
+    description: str
+    asked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +108,7 @@ class Candidate:
         micro_batches: Gradient accumulation parts (1: none).
         sequence: The sequence-parallel cut, already in `assignment`
             (`None`: not asked for).
+        levers: Its levers (`estimate.levers` holds their text).
     """
 
     assignment: Assignment
@@ -83,6 +117,7 @@ class Candidate:
     estimate: PlanEstimate
     micro_batches: int = 1
     sequence: SequenceCut | None = None
+    levers: tuple[Lever, ...] = ()
 
 
 class NoFit(Exception):
@@ -107,63 +142,6 @@ class NoFit(Exception):
         estimate's headroom)."""
         estimate = self.best.estimate
         return estimate.peak_bytes - (estimate.usable_bytes or 0)
-
-
-REMAT_REQUESTS = ("auto", "none", "all")
-
-
-def remat_options(graph: AxisGraph, job: str, request="auto") -> list[tuple[str, ...]]:
-    """Rematerialization options in order of recomputation.
-
-    Args:
-        graph: The model's axis graph.
-        job: `"train"`, `"inference"` or `"generate"` (nothing to rematerialize).
-        request: `"auto"` (every option, the planner chooses), `"none"`,
-            `"all"` (every repeated-layer family) or layer names.
-
-    Returns:
-        Tuples of layer names: none first, then each family added (one
-        option only for a request other than `"auto"`).
-
-    Raises:
-        PlanError: When a requested layer is not a unit of the model
-            (`graph/blocks.py`), or `"all"` finds no family to rematerialize.
-    """
-    options: list[tuple[str, ...]] = [()]
-    if job != "train" or request == "none":
-        return options
-    for family in remat_families(graph):
-        options.append(options[-1] + family)
-    if request == "auto":
-        return options
-    if request == "all":
-        if len(options) == 1:
-            units = layer_calls(graph)
-            raise PlanError(
-                "rematerialize='all' asks for every family of repeated layers, "
-                "and this model has none whose rematerialization frees memory "
-                f"(its layer calls: {units[:12]}{' …' if len(units) > 12 else ''}). "
-                "Name the layers to rematerialize instead, or plan without it."
-            )
-        return [options[-1]]
-    return [_requested_layers(graph, request)]
-
-
-def _requested_layers(graph: AxisGraph, request) -> tuple[str, ...]:
-    if isinstance(request, str):
-        raise PlanError(
-            f"rematerialize={request!r}: use one of {REMAT_REQUESTS} or a "
-            "list of layer names (as the plan's `rematerialize` lists them)."
-        )
-    layers = layer_calls(graph)
-    missing = sorted(set(request) - set(layers))
-    if missing:
-        raise PlanError(
-            f"rematerialize names {missing}, which are not layer calls the "
-            f"planner can rematerialize; the model's are {layers[:12]}"
-            f"{' …' if len(layers) > 12 else ''}."
-        )
-    return tuple(layer for layer in layers if layer in set(request))
 
 
 def choose_levers(
@@ -261,7 +239,7 @@ def choose_levers(
         candidate = attempt(choices[-1], sequence_modes[-1], micro_batches)
         if candidate is not None:
             return candidate
-    raise NoFit(best, _suggestions(graph, mesh, best.estimate))
+    raise NoFit(best, fit_suggestions(mesh, best.estimate))
 
 
 def _asked_accumulation(
@@ -271,7 +249,7 @@ def _asked_accumulation(
     rematerialization and sequence option that fits, else the one that
     needs the least memory (a `NoFit` when a budget was set)."""
     steps = options.gradient_accumulation_steps
-    rows = _rows_per_data_rank(graph, axes)
+    rows = rows_per_data_rank(graph, axes)
     if options.job != "train" or rows % steps:
         raise PlanError(
             f"gradient_accumulation_steps={steps}: a training step's batch per "
@@ -287,47 +265,11 @@ def _asked_accumulation(
     best = _candidate(
         graph, axes, mesh, options, assignment, choices[-1], steps, sequence_modes[-1]
     )
-    # The search's budget is linear and may refuse a plan whose estimate
-    # fits (Llama-2-70B widths on 16x16, its 68 rematerialized layers and 2
-    # micro-batches pinned: estimated 63.68 GiB, 1.67 under the usable
-    # budget, raised "exceeds the budget by -1.67 GiB").
+    # The search's budget row is an envelope of the step's phases, above the
+    # estimate: it may refuse a plan whose estimate fits, which is kept.
     if options.memory_budget_bytes is None or _fits(best):
         return best
-    raise NoFit(best, _suggestions(graph, mesh, best.estimate))
-
-
-def accumulation_options(
-    graph: AxisGraph, axes: tuple[MeshAxis, ...], job: str
-) -> list[int]:
-    """Micro-batch counts to try: powers of two dividing each device's
-    batch (the inputs' leading dim over the data axes).
-
-    Args:
-        graph: The model's axis graph.
-        axes: Mesh axes of size > 1.
-        job: `"train"`, `"inference"` or `"generate"` (no accumulation).
-
-    Returns:
-        Counts in increasing order (empty when the batch cannot be split).
-    """
-    if job != "train":
-        return []
-    per_device = _rows_per_data_rank(graph, axes)
-    counts, parts = [], 2
-    while parts <= per_device:
-        if per_device % parts == 0:
-            counts.append(parts)
-        parts *= 2
-    return counts
-
-
-def _rows_per_data_rank(graph: AxisGraph, axes: tuple[MeshAxis, ...]) -> int:
-    """The batch one data-parallel rank feeds a step (the inputs' leading
-    dim over the data axes; 1 without inputs)."""
-    inputs = [t for t in graph.tensors if t.kind == "input" and t.shape]
-    if not inputs:
-        return 1
-    return inputs[0].shape[0] // math.prod(a.size for a in axes if a.data_only)
+    raise NoFit(best, fit_suggestions(mesh, best.estimate))
 
 
 def _fits(candidate: Candidate) -> bool:
@@ -366,6 +308,12 @@ def _candidate(
         platform=options.platform,
     )
     flops, recomputed = compute_flops_per_device(graph, axes, assignment, chosen)
+    levers = _memory_levers(
+        remat,
+        micro_batches,
+        asked=options.rematerialize != "auto",
+        asked_micro_batches=options.gradient_accumulation_steps is not None,
+    ) + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True)
     profile = options.hardware
     # Per step of the whole batch: every micro-batch reduces the gradients
     # over the data axes again.
@@ -383,19 +331,15 @@ def _candidate(
         step_time_s=None
         if profile is None
         else step_time_s(profile, flops, by_axis, mesh.axis_names, mesh.shape),
-        levers=_describe_levers(
-            remat,
-            micro_batches,
-            asked=options.rematerialize != "auto",
-            asked_micro_batches=options.gradient_accumulation_steps is not None,
-        )
-        + _sequence_levers(sequence, axes, asked=options.sequence_parallel is True),
+        levers=tuple(lever_text(lever) for lever in levers),
         search=None if assignment.search is None else assignment.search.describe(),
     )
     estimate = dataclasses.replace(
         estimate, compiler_limit_bytes=_compiler_limit(estimate, profile)
     )
-    return Candidate(assignment, tuple(remat), cost, estimate, micro_batches, sequence)
+    return Candidate(
+        assignment, tuple(remat), cost, estimate, micro_batches, sequence, levers
+    )
 
 
 def _compiler_limit(estimate: PlanEstimate, profile) -> int | None:
@@ -411,38 +355,11 @@ def _compiler_limit(estimate: PlanEstimate, profile) -> int | None:
 
 def _sequence_levers(
     sequence: SequenceCut | None, axes, asked: bool
-) -> tuple[str, ...]:
+) -> tuple[Lever, ...]:
     if sequence is None or not sequence.layers:
         return ()
     size = {a.name: a.size for a in axes}[sequence.axis]
-    return (describe_sequence(sequence, size) + (ASKED if asked else ""),)
-
-
-SEQUENCE_PARALLEL_REQUESTS = (False, True, "auto")
-
-
-def sequence_parallel_modes(request, job: str) -> tuple[bool, ...]:
-    """Sequence-parallel options to try, in order.
-
-    Args:
-        request: `False`, `True`, or `"auto"` (only where the plan without it
-            does not fit: tried before each rematerialization option, as it
-            recomputes nothing).
-        job: `"train"`, `"inference"` or `"generate"`.
-
-    Returns:
-        `(False,)`, `(True,)` or `(False, True)`.
-
-    Raises:
-        ValueError: For another request.
-    """
-    if request not in SEQUENCE_PARALLEL_REQUESTS or request is None:
-        raise ValueError(
-            f"sequence_parallel={request!r}: use one of {SEQUENCE_PARALLEL_REQUESTS}."
-        )
-    if request == "auto":
-        return (False, True)
-    return (bool(request),)
+    return (Lever("sequence_parallel", describe_sequence(sequence, size), asked),)
 
 
 def _fewest_layers(graph, axes, mesh, options, candidate, choices) -> Candidate:
@@ -479,78 +396,21 @@ def _data_axes(axes: tuple[MeshAxis, ...]) -> set[str]:
     return {a.name for a in axes if a.data_only or a.members}
 
 
-# Ends a lever the user asked for rather than one chosen to fit.
-ASKED = " (asked for)"
-
-
-def _describe_levers(
+def _memory_levers(
     remat: tuple[str, ...],
     micro_batches: int = 1,
     asked: bool = False,
     asked_micro_batches: bool = False,
-) -> tuple[str, ...]:
+) -> tuple[Lever, ...]:
     levers = []
     if remat:
-        shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
-        levers.append(
-            f"rematerialize {len(remat)} layer call(s) in the backward pass "
-            f"(jax.checkpoint, nothing saved inside): {shown}"
-            + (ASKED if asked else "")
-        )
+        levers.append(Lever("rematerialize", remat_description(remat), asked))
     if micro_batches > 1:
         levers.append(
-            f"gradient accumulation over {micro_batches} micro-batches: feed "
-            f"1/{micro_batches} of the planned batch per step with "
-            f"`gradient_accumulation_steps={micro_batches}` on the optimizer"
-            + (ASKED if asked_micro_batches else " (nothing else fits the whole batch)")
+            Lever(
+                "accumulate",
+                accumulation_description(micro_batches),
+                asked_micro_batches,
+            )
         )
     return tuple(levers)
-
-
-def _suggestions(graph, mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
-    """Changes that would fit the budget, from the least-peak estimate."""
-    budget = estimate.usable_bytes or 0
-    state = estimate.parameter_bytes + estimate.gradient_bytes
-    state += estimate.optimizer_bytes
-    per_batch = estimate.activation_bytes + estimate.data_bytes
-    per_batch += estimate.transient_bytes + estimate.cache_bytes
-    suggestions = []
-    devices = mesh.device_count
-    needed = devices * estimate.peak_bytes / max(budget, 1)
-    suggestions.append(
-        f"about {2 ** math.ceil(math.log2(max(needed, devices + 1)))} devices "
-        f"instead of {devices} (state and batch cut further)"
-    )
-    if state < budget and per_batch > 0:
-        steps = max(2, math.ceil(per_batch / (budget - state)))
-        # Accumulating, the update writes every variable, its slots and its
-        # accumulator anew beside the old (`memory_model`): at most twice
-        # the parameters and their slots, and two accumulators.
-        variables = estimate.parameter_bytes + estimate.optimizer_bytes
-        update = 2 * variables + 2 * estimate.parameter_bytes
-        if estimate.job == "train" and update <= budget:
-            suggestions.append(
-                f"a batch {steps}x smaller per step, or gradient accumulation "
-                f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
-                f"the optimizer, each step fed 1/{steps} of the batch)"
-            )
-        elif estimate.job == "train":
-            suggestions.append(
-                f"a batch {steps}x smaller per step (gradient accumulation "
-                "would not fit: its update holds the variables and their "
-                "optimizer slots twice)"
-            )
-        else:  # no optimizer to accumulate in: the batch, or the sequence
-            suggestions.append(
-                f"a batch {steps}x smaller per step (or shorter sequences: "
-                "the largest activations"
-                + (" and the key/value cache" if estimate.job == "generate" else "")
-                + " grow with them)"
-            )
-    else:
-        suggestions.append(
-            f"the model's state alone ({format_bytes(state)} per device) "
-            "exceeds the budget: only more devices (or a smaller optimizer "
-            "state) help"
-        )
-    return suggestions

@@ -28,7 +28,7 @@ That is XLA:CPU's program (`platform="cpu"`: simulated devices). For an
 accelerator's (`"gpu"`, `"tpu"`: a GPU hardware profile, or the devices
 planned on), the activations are kept as XLA:GPU fuses them
 (`AxisGraph.for_platform`), and the backward pass is a sequence of stages,
-one per layer in reverse call order (`accelerator_peak`): each holds what
+one per layer in reverse call order (`accelerator_peak.py`): each holds what
 the layers not yet differentiated keep, the current layer's own residuals,
 the gradients finished so far (held to the updates, after the backward
 pass) and one buffer of its largest batch activation; gradient
@@ -50,17 +50,14 @@ Everything is bytes per device; `peak_bytes` is the sum.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.planner.accelerator_peak import accelerator_peak
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import (
     Assignment,
-    MeshAxis,
-    contraction_flops,
     gathered_bytes,
-    iteration_classes,
     kept_bytes,
     local_bytes,
     relaid_weights,
@@ -73,18 +70,10 @@ from keras_autoshard.planner.gradient_reduction import (
     gathered_weight_bytes,
     reduced_partials,
 )
+from keras_autoshard.planner.mesh_axis import MeshAxis
 from keras_autoshard.planner.remat import (
-    accelerator_stages,
     backward_stages,
-    layer_calls,
 )
-from keras_autoshard.planner.split_k import (
-    activation_products,
-    gradient_buffers,
-    kept_partials_factors,
-    split_gradient_bytes,
-)
-from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
 from keras_autoshard.plans.estimate import COMPILERS, PlanEstimate
 
 JOBS = ("train", "inference", "generate")
@@ -360,170 +349,6 @@ def _staged_peak(
     return best[1], best[2]
 
 
-def accelerator_peak(
-    graph: AxisGraph,
-    assignment: Assignment,
-    sizes: dict[str, int],
-    remat: frozenset[str],
-    micro_batches: int = 1,
-) -> tuple[float, float, float]:
-    """(activations, gradients, workspace) one device holds at the fullest
-    stage of an accelerator's backward pass (`remat.accelerator_stages`).
-
-    XLA:GPU differentiates layer by layer in reverse call order and frees a
-    kept activation after the backward pass of the last layer that reads
-    it; the updates run after the whole backward pass (Keras applies the
-    optimizer to all gradients at once), so every finished gradient is held
-    to the end. A stage holds: every kept activation some layer not yet
-    differentiated reads (a rematerialized layer keeps only its input), the
-    current layer's own residuals (made again when it is rematerialized;
-    a split product's partials where XLA:GPU keeps them in its output's
-    place, `split_k.kept_partials_factors`; gathered copies of what a
-    storage cut's drift holds cut, `stream_drift.gathered_by_stage`), the
-    gradients of every parameter read by it or a layer above (in its
-    cast's precision where the batch reduces, `AxisGraph.narrowed_params`),
-    and a workspace: the larger of two. One is the gradient being formed,
-    one buffer of the layer's largest batch activation, or, for an
-    activation several products read, each product's input gradient (in
-    its partials where XLA:GPU splits it, `split_k.input_gradient_partials`)
-    beside their sum, with the partial products of the layer's weight
-    gradients XLA:GPU splits over the tokens (`split_k.split_gradient_bytes`:
-    one product's at a time, each summed as made; none at real widths). The
-    other is the largest combined reduction of the gradients over the batch
-    axes so far (its concatenated operand beside its result; XLA packs them in
-    the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
-    six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
-    6.3 MB each, as the combined all-reduce's operand and result; six
-    4096-wide ones, 16 MiB per kernel, combine one layer's each), which
-    runs apart from the layer's products (the zoo's Gemma on 8x1 peaks in
-    its combined reduction of every gradient, with no product's buffers
-    live).
-    Read off XLA:GPU's buffers at the compiled peak: a Llama at Llama-2-70B
-    widths on 32x8, every layer rematerialized, peaks at the top layer (the
-    layer inputs, its recomputed residuals, no gradient yet); at Llama-3-8B
-    widths without rematerialization at the top layer too (the lower
-    layers' residuals, its own, its weight gradients and attention-sized
-    buffers); Mixtral-8x7B on 8x8 at the bottom layer (every layer's
-    float32 expert kernel gradients, 224 MiB each, live from their backward
-    pass to the updates after it, and the upper layers' inputs freed): per
-    layer its compiled peak grows by the layer's parameters, optimizer
-    slots and gradients (2.08 GB), which counting only the top layer's
-    gradients put at 1.83 GB.
-
-    Args:
-        graph: The model's axis graph, `for_platform` an accelerator.
-        assignment: The candidate sharding.
-        sizes: Mesh axis name -> size.
-        remat: Names of the rematerialized layer calls.
-        micro_batches: Gradient accumulation parts.
-
-    Returns:
-        Bytes per device of the fullest stage: kept activations (the
-        current layer's included), gradients, workspace.
-    """
-    part = 1.0 / micro_batches
-    stages = accelerator_stages(graph, remat)
-    last = len(stages) - 1
-    position = {layer: i for i, layer in enumerate(layer_calls(graph))}
-    kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
-    held = held_as_partitioned(graph, assignment, sizes, kept)
-    gathered = gathered_by_stage(graph, assignment, held, sizes, remat, kept)
-    assignment = held
-
-    # Products whose split partial results are kept in their output's place,
-    # and activations whose gradient a product makes in split partials.
-    whole = dataclasses.replace(assignment, fsdp={})
-    residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
-    products = activation_products(graph, whole, sizes)
-    partials_kept = kept_partials_factors(graph, products, residuals)
-    gradient_buffers_of = gradient_buffers(graph, products)
-
-    def held(terms) -> float:
-        return part * sum(
-            local_bytes(graph.tensors[tid], assignment, sizes)
-            * factor
-            * partials_kept.get(tid, 1.0)
-            for tid, factor in terms
-        )
-
-    batch_classes = batch_carrying_classes(graph)
-    outputs = set(graph.outputs)
-    largest = [0.0] * len(stages)
-    for tensor in graph.tensors:
-        if tensor.kind != "activation" or tensor.id in outputs:
-            continue
-        if not batch_classes.intersection(tensor.dim_classes):
-            continue
-        stage = position.get(graph.tensor_layers[tensor.id], last)
-        size = local_bytes(tensor, assignment, sizes) * part
-        # One buffer for the gradient being formed (two were counted for
-        # every activation once, which put Llama-2-70B widths on 32x8 at
-        # 1.16 of the compiled peak); where an MLP's activation is the
-        # largest, the backward pass of the activation holds the gradients
-        # of its output and its input at once, the second not counted
-        # (`tests/test_residual_fusion_gpu.py`); a precision cast's two
-        # are, below. Several products' input gradients beside their sum,
-        # or split partials, are (`split_k.gradient_buffers`).
-        size *= gradient_buffers_of.get(tensor.id, 1)
-        largest[stage] = max(largest[stage], size)
-    # The backward pass of a precision cast reads the cast's gradient and
-    # writes its source's, buffers of two sizes live at once (Llama-2-70B
-    # widths on 32x8: the bfloat16 attention probabilities' gradient, 2 GiB,
-    # beside the float32 scores', 4 GiB, in every layer's backward pass).
-    for cast, source in graph.activation_casts:
-        if not batch_classes.intersection(graph.tensors[cast].dim_classes):
-            continue
-        stage = position.get(graph.tensor_layers[cast], last)
-        pair = sum(
-            local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
-        )
-        largest[stage] = max(largest[stage], pair * part)
-    batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
-    split = split_gradient_bytes(graph, whole, sizes)
-    partials = [0.0] * len(stages)  # split-K partial products made there
-    made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
-    combined = [0.0] * len(stages)  # the largest combined reduction so far
-    group = largest_group = 0.0
-    # A gradient the batch reduces, of a parameter read through a narrowing
-    # cast, is the cast's: XLA:GPU reduces it in the cast's precision and
-    # holds it so until the updates, which widen it as they read it (six
-    # 1024-wide Dense layers on 2x4 under `mixed_bfloat16` peak with one
-    # combined bfloat16 all-reduce, 3 MiB operand and result, where float32
-    # would be 6 MiB each; six 8192-wide ones on 8x1, each kernel's reduced
-    # alone, hold them in bfloat16 too: `tests/test_held_gradients_gpu.py`).
-    # One no batch axis reduces is widened where it is made (1x8). Not
-    # followed: a weight stored cut over the batch axis whose gradient XLA
-    # all-reduces whole, then widens and holds whole in float32 before it
-    # takes its shard (Mixtral-8x7B widths on 8x8: 224 MiB an expert kernel,
-    # counted here at its shard in bfloat16).
-    narrowed = graph.narrowed_params
-    for i in reversed(range(len(stages))):
-        made_above[i] = made_above[i + 1]
-        for tid in stages[i].gradients:
-            tensor = graph.tensors[tid]
-            reduced = batch_axes - set(tensor_axes(tensor, whole))
-            factor = narrowed.get(tid, 1.0) if reduced else 1.0
-            made_above[i] += local_bytes(tensor, assignment, sizes) * factor
-            partials[i] = max(partials[i], split.get(tid, 0.0))
-            if reduced:
-                # Combined in the order they are made, up to the threshold.
-                size = local_bytes(tensor, whole, sizes) * factor
-                if group + size > COMBINE_THRESHOLD_BYTES:
-                    largest_group, group = max(largest_group, group), 0.0
-                group += size
-        combined[i] = max(largest_group, group)
-    best = (-1.0, 0.0, 0.0, 0.0)
-    alive = 0.0  # what the stages up to this one still read
-    for i, stage in enumerate(stages):
-        alive += held(stage.kept_to_here)
-        kept = alive + held(stage.own) + gathered[i] * part
-        workspace = max(largest[i] + partials[i], combined[i])
-        best = max(
-            best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
-        )
-    return best[1], best[2], best[3]
-
-
 # Bytes per element of a floating target as the step receives it: Keras's
 # data adapters hand float data over as `floatx` (float32), and the loss
 # casts it; under `mixed_bfloat16` a bfloat16 output's target is still
@@ -563,37 +388,3 @@ def _data_bytes(
         / ways
         for t in tensor_ids
     )
-
-
-def compute_flops_per_device(
-    graph: AxisGraph,
-    axes: tuple[MeshAxis, ...],
-    assignment: Assignment,
-    remat: frozenset[str] = frozenset(),
-) -> tuple[float, float]:
-    """FLOPs of one training step's contractions on one device: each forward
-    contraction split by the mesh axes that cut its work, times three
-    (forward, and the two products of its backward pass), and once more
-    where a rematerialized layer recomputes it.
-
-    Args:
-        graph: The model's axis graph.
-        axes: Mesh axes of size > 1.
-        assignment: The candidate sharding.
-        remat: Names of the layer calls rematerialized (`graph/blocks.py`).
-
-    Returns:
-        `(total FLOPs, of which recomputation)`.
-    """
-    sizes = {a.name: a.size for a in axes}
-    total = recomputed = 0.0
-    for event in graph.comm_events:
-        if event.kind != "contract" or event.phase != "forward":
-            continue
-        used = {assignment.class_axis.get(c) for c in iteration_classes(graph, event)}
-        ways = math.prod(sizes[a] for a in used if a is not None)
-        flops = contraction_flops(graph, event) / ways
-        total += 3.0 * flops
-        if graph.tensor_layers and graph.tensor_layers[event.tensor] in remat:
-            recomputed += flops
-    return total + recomputed, recomputed

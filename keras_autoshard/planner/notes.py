@@ -1,5 +1,6 @@
 """The notes and messages of a plan: its estimated peak against the budget,
-why variables are held unevenly, why nothing fits.
+its levers in words (`lever_text`), why variables are held unevenly, why
+nothing fits and what would.
 
 Text only, from plain data (`PlanEstimate`, `ShardingPlan`); the planner
 decides, these functions say what it decided.
@@ -7,7 +8,10 @@ decides, these functions say what it decided.
 
 from __future__ import annotations
 
-from keras_autoshard.planner.levers import ASKED, NoFit
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
 from keras_autoshard.plans.estimate import (
     XLA_GPU_MEMORY_SHARE,
     XLA_GPU_SLOP_FACTOR,
@@ -16,6 +20,9 @@ from keras_autoshard.plans.estimate import (
 )
 from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+
+if TYPE_CHECKING:
+    from keras_autoshard.planner.levers import Lever, NoFit
 
 # State per device above this multiple of an even cut is explained in a note.
 UNEVEN_STATE = 1.1
@@ -78,20 +85,22 @@ def _limit_clause(estimate: PlanEstimate) -> str:
     )
 
 
-def memory_note(estimate: PlanEstimate) -> str:
+def memory_note(estimate: PlanEstimate, levers: Sequence[Lever] = ()) -> str:
     """The estimated peak per device, against the budget when there is one,
-    and the levers chosen."""
+    and its `levers` (those asked for, and those chosen to fit)."""
     peak = format_bytes(estimate.peak_bytes)
     job = {"train": "a training step", "generate": "generation"}.get(
         estimate.job, "inference"
     )
-    levers = "".join(
-        f" Lever: {lever}." if lever.endswith(ASKED) else f" Chosen to fit: {lever}."
-        for lever in estimate.levers
+    shown = "".join(
+        f" Lever: {lever_text(lever)}."
+        if lever.asked
+        else f" Chosen to fit: {lever_text(lever)}."
+        for lever in levers
     )
     if estimate.budget_bytes is None:
         return (
-            f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + levers
+            f"Estimated peak per device of {job}: {peak} ({_parts(estimate)})." + shown
         )
     usable = estimate.usable_bytes
     budget = (
@@ -101,12 +110,12 @@ def memory_note(estimate: PlanEstimate) -> str:
     if estimate.peak_bytes <= usable:
         return (
             f"Estimated peak per device {peak} fits {budget} ({_parts(estimate)})."
-            + levers
+            + shown
         )
     over = format_bytes(estimate.peak_bytes - usable)
     return (
         f"Estimated peak per device {peak} EXCEEDS {budget} by {over} "
-        f"({_parts(estimate)})." + levers
+        f"({_parts(estimate)})." + shown
     )
 
 
@@ -124,3 +133,113 @@ def no_fit_message(mesh: MeshSpec, no_fit: NoFit) -> str:
         f"{format_bytes(no_fit.over_bytes)} ({_parts(estimate)}; levers: "
         f"{levers}). It would fit with {' or '.join(no_fit.suggestions)}."
     )
+
+
+def no_plan_message(
+    meshes: Sequence[MeshSpec],
+    reasons: Sequence[str],
+    memory_budget_bytes: int | None,
+    rules: Mapping[str, object] | None,
+) -> str:
+    """Why no mesh has a plan at all (each mesh's solver reason), and with
+    no budget, what in the rules to check."""
+    described = ", ".join(m.describe() for m in meshes)
+    if memory_budget_bytes is None:
+        return (
+            "No plan satisfies the rules and divisibility on "
+            f"{described} (there is no memory "
+            f"budget). {' '.join(reasons)} Check that each rule's spec can "
+            "hold: its mesh axes divide the dimensions they cut, no mesh axis "
+            "twice in one tensor, and tensors that must share a sharding "
+            "(e.g. a kernel and the activation it makes) are not pinned to "
+            f"conflicting axes. Rules given: {sorted(rules or {})}."
+        )
+    return f"No plan on {described}: {' '.join(reasons)}"
+
+
+# Ends the text of a lever the user asked for rather than one chosen to fit.
+ASKED = " (asked for)"
+# Ends the text of gradient accumulation chosen to fit.
+ACCUMULATION_CHOSEN = " (nothing else fits the whole batch)"
+
+
+def lever_text(lever: Lever) -> str:
+    """A lever in words, as the plan's estimate stores it (`PlanEstimate.levers`).
+
+    Example:
+        `lever_text(Lever("rematerialize", "rematerialize 2 layer call(s) …",
+        asked=True))` ends with `" (asked for)"`.
+    """
+    if lever.asked:
+        return lever.description + ASKED
+    if lever.kind == "accumulate":
+        return lever.description + ACCUMULATION_CHOSEN
+    return lever.description
+
+
+def remat_description(remat: Sequence[str]) -> str:
+    """Rematerialization of the layer calls `remat`, in words."""
+    shown = ", ".join(remat[:3]) + (f", … {remat[-1]}" if len(remat) > 3 else "")
+    return (
+        f"rematerialize {len(remat)} layer call(s) in the backward pass "
+        f"(jax.checkpoint, nothing saved inside): {shown}"
+    )
+
+
+def accumulation_description(micro_batches: int) -> str:
+    """Gradient accumulation over `micro_batches`, in words."""
+    return (
+        f"gradient accumulation over {micro_batches} micro-batches: feed "
+        f"1/{micro_batches} of the planned batch per step with "
+        f"`gradient_accumulation_steps={micro_batches}` on the optimizer"
+    )
+
+
+def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
+    """Changes that would fit the budget, in words, from the least-peak
+    estimate on `mesh` (`NoFit.suggestions`)."""
+    budget = estimate.usable_bytes or 0
+    state = estimate.parameter_bytes + estimate.gradient_bytes
+    state += estimate.optimizer_bytes
+    per_batch = estimate.activation_bytes + estimate.data_bytes
+    per_batch += estimate.transient_bytes + estimate.cache_bytes
+    suggestions = []
+    devices = mesh.device_count
+    needed = devices * estimate.peak_bytes / max(budget, 1)
+    suggestions.append(
+        f"about {2 ** math.ceil(math.log2(max(needed, devices + 1)))} devices "
+        f"instead of {devices} (state and batch cut further)"
+    )
+    if state < budget and per_batch > 0:
+        steps = max(2, math.ceil(per_batch / (budget - state)))
+        # Accumulating, the update writes every variable, its slots and its
+        # accumulator anew beside the old (`memory_model`): at most twice
+        # the parameters and their slots, and two accumulators.
+        variables = estimate.parameter_bytes + estimate.optimizer_bytes
+        update = 2 * variables + 2 * estimate.parameter_bytes
+        if estimate.job == "train" and update <= budget:
+            suggestions.append(
+                f"a batch {steps}x smaller per step, or gradient accumulation "
+                f"over {steps} steps (`gradient_accumulation_steps={steps}` on "
+                f"the optimizer, each step fed 1/{steps} of the batch)"
+            )
+        elif estimate.job == "train":
+            suggestions.append(
+                f"a batch {steps}x smaller per step (gradient accumulation "
+                "would not fit: its update holds the variables and their "
+                "optimizer slots twice)"
+            )
+        else:  # no optimizer to accumulate in: the batch, or the sequence
+            suggestions.append(
+                f"a batch {steps}x smaller per step (or shorter sequences: "
+                "the largest activations"
+                + (" and the key/value cache" if estimate.job == "generate" else "")
+                + " grow with them)"
+            )
+    else:
+        suggestions.append(
+            f"the model's state alone ({format_bytes(state)} per device) "
+            "exceeds the budget: only more devices (or a smaller optimizer "
+            "state) help"
+        )
+    return suggestions

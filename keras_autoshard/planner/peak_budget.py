@@ -57,6 +57,7 @@ from keras_autoshard.planner.gradient_reduction import (
     gathered_weight_copies,
 )
 from keras_autoshard.planner.linear_program import InfeasibleError
+from keras_autoshard.planner.milp_program import MilpProgram, Terms
 from keras_autoshard.planner.remat import (
     accelerator_stages,
     gathered_param_terms,
@@ -69,11 +70,13 @@ PEAK_WEIGHT = 1e3
 MIB = 2.0**20
 
 
-def add_peak_budget(program, remat: frozenset[str], micro_batches: int = 1) -> None:
+def add_peak_budget(
+    program: MilpProgram, remat: frozenset[str], micro_batches: int = 1
+) -> None:
     """Add the row `peak per device <= budget` to `program`.
 
     Args:
-        program: The search's `milp_program.Program` (its graph, options, mesh axes,
+        program: The search's `MilpProgram` (its graph, options, mesh axes,
             linear program and `bytes_terms`).
         remat: Names of the layer calls rematerialized (`graph/blocks.py`).
         micro_batches: Gradient accumulation parts (what the batch makes
@@ -212,11 +215,11 @@ LOWEST_STAGES = 3
 
 
 def _lowest_stage_rows(
-    program, remat: frozenset[str], part: float, transient: int
+    program: MilpProgram, remat: frozenset[str], part: float, transient: int
 ) -> list[tuple[dict[int, float], float]]:
     """Rows for the last stages of an accelerator's backward pass (the
     lowest layers'), where every finished gradient is held
-    (`memory_model.accelerator_peak`): the state, every gradient, one
+    (`accelerator_peak.accelerator_peak`): the state, every gradient, one
     combined reduction of them, the data and targets, what those stages
     still keep (their own residuals and the activations kept for them) and
     the transient `T`.
@@ -258,7 +261,7 @@ def _lowest_stage_rows(
     for tid in graph.outputs:
         if graph.tensors[tid].requires_grad:
             state_constant += graph.tensors[tid].nbytes / data_ways * part
-    # One combined reduction of the gradients (`memory_model.accelerator_peak`):
+    # One combined reduction of the gradients (`accelerator_peak.accelerator_peak`):
     # all of them, in their compute layout, while together they are under
     # XLA's threshold; past it, that share of each (a row must be linear).
     read = [t for t in graph.tensors if t.kind == "param" and t.id not in unread]
@@ -282,7 +285,12 @@ def _lowest_stage_rows(
     return rows
 
 
-def _gathered_weight_row(program, remat, state_terms, state_fixed):
+def _gathered_weight_row(
+    program: MilpProgram,
+    remat: frozenset[str],
+    state_terms: Terms,
+    state_fixed: float,
+) -> tuple[Terms, float]:
     """The phase of `memory_model.gathered_weight_bytes`: the state, and the
     weight stored cut for storage (FSDP) that adds most while its layer's
     gradient is formed (its gathered copy and whole gradient, less its

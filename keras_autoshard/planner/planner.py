@@ -16,40 +16,38 @@ from collections.abc import Callable, Mapping, Sequence
 import keras
 
 from keras_autoshard.graph.axis_graph import AxisGraph
-from keras_autoshard.planner.cost_model import (
-    Assignment,
-    PlanCost,
-    PlannerOptions,
-    planning_axes,
-    tensor_axes,
+from keras_autoshard.planner.cost_model import PlanCost, tensor_axes
+from keras_autoshard.planner.explain import (
+    NOT_COMPUTED_REASON,
+    USER_RULE_REASON,
+    plan_notes,
+    variable_reason,
 )
-from keras_autoshard.planner.explain import plan_notes, variable_reason
-from keras_autoshard.planner.levers import (
-    Candidate,
-    NoFit,
-    choose_levers,
-    sequence_parallel_modes,
-)
+from keras_autoshard.planner.levers import Candidate, NoFit, choose_levers
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.memory_model import JOBS, batch_axis
-from keras_autoshard.planner.notes import memory_note, no_fit_message, uneven_state_note
+from keras_autoshard.planner.memory_model import batch_axis
+from keras_autoshard.planner.mesh_axis import planning_axes
+from keras_autoshard.planner.notes import (
+    memory_note,
+    no_fit_message,
+    no_plan_message,
+    uneven_state_note,
+)
 from keras_autoshard.planner.output_layouts import output_layouts
-from keras_autoshard.planner.pins import Pins
+from keras_autoshard.planner.pins import match_variables, pinned_specs, pins_on_mesh
+from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.roles import class_roles
-from keras_autoshard.planner.sequence_parallel import SequenceCut
-from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
-from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES, entry_axes, spec_axes
-from keras_autoshard.plans.rules import Spec, match_rules
+from keras_autoshard.plans.hardware import HardwareProfile
+from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
+from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import (
     MeshSpec,
     PlanError,
     ShardingPlan,
     VariableSharding,
 )
-from keras_autoshard.plans.units import optional_byte_size
 from keras_autoshard.plans.validation import validate_plan_structure
 from keras_autoshard.progress import progress_bar
-from keras_autoshard.runtime.devices import accelerator_memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +161,7 @@ def plan(
     print(plan.explain())
     ```
     """
-    return plan_with_cost(
-        model_or_builder,
-        device_mesh=device_mesh,
-        sample_input=sample_input,
+    request = PlanRequest(
         memory_budget=memory_budget,
         rules=rules,
         device_count=device_count,
@@ -178,43 +173,31 @@ def plan(
         sequence_parallel=sequence_parallel,
         gradient_accumulation_steps=gradient_accumulation_steps,
         batch_over_model_axes=batch_over_model_axes,
-    ).plan
+    )
+    return plan_with_cost(model_or_builder, device_mesh, sample_input, request).plan
 
 
 def plan_with_cost(
-    model_or_builder,
-    device_mesh=None,
+    model_or_builder: keras.Model | Callable[[], keras.Model],
+    device_mesh: MeshSpec | keras.distribution.DeviceMesh | None = None,
     sample_input=None,
-    memory_budget: int | str | None = None,
-    rules: Mapping[str, Spec] | None = None,
-    device_count: int | None = None,
-    optimizer_slots: int = 2,
-    progress: bool = False,
-    hardware: str | HardwareProfile | None = None,
-    job: str = "train",
-    rematerialize: str | Sequence[str] = "auto",
-    sequence_parallel: bool | str = False,
-    gradient_accumulation_steps: int | None = None,
-    batch_over_model_axes: bool = True,
+    request: PlanRequest | None = None,
 ) -> PlanningResult:
-    """Like `plan`, also returning the estimated cost and the axis graph."""
-    if job not in JOBS:
-        raise ValueError(f"job={job!r}: use one of {JOBS}.")
-    sequence_parallel_modes(sequence_parallel, job)  # checks the request
-    if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
-        raise PlanError(
-            f"gradient_accumulation_steps={gradient_accumulation_steps}: use None "
-            "(chosen to fit), 1 (never) or a count of micro-batches."
-        )
-    profile = hardware_profile(hardware) if hardware is not None else None
-    memory_budget = optional_byte_size(memory_budget)
-    budget_asked = memory_budget is not None
-    if memory_budget is None:
-        memory_budget = (
-            profile.memory_budget_bytes
-            if profile is not None
-            else accelerator_memory_budget()
-        )
+    """Like `plan`, also returning the estimated cost and the axis graph.
+
+    Args:
+        model_or_builder: As `plan`'s.
+        device_mesh: As `plan`'s.
+        sample_input: As `plan`'s.
+        request: `plan`'s other keyword arguments (`None`: its defaults).
+
+    Returns:
+        The plan, its cost, the axis graph and the planning time.
+    """
+    request = request or PlanRequest()
+    request.check()
+    profile = request.profile()
+    memory_budget = request.budget_bytes(profile)
     from keras_autoshard.graph.builder import build_axis_graph
     from keras_autoshard.trace.tracer import build_abstract, trace_model
 
@@ -224,8 +207,8 @@ def plan_with_cost(
             "plan() needs sample_input (one global batch, or jax.ShapeDtypeStruct "
             "leaves with its shapes) to know the activation shapes."
         )
-    meshes = _candidate_meshes(device_mesh, device_count)
-    with progress_bar("planning", 3 + len(meshes), enabled=progress) as task:
+    meshes = _candidate_meshes(device_mesh, request.device_count)
+    with progress_bar("planning", 3 + len(meshes), enabled=request.progress) as task:
         if isinstance(model_or_builder, keras.Model):
             model = model_or_builder
         elif callable(model_or_builder):
@@ -247,24 +230,18 @@ def plan_with_cost(
         task.advance()
         platform = profile.platform if profile is not None else _device_platform()
         graph = graph.for_platform(platform)
-        options = PlannerOptions(
-            memory_budget_bytes=memory_budget,
-            optimizer_slots=optimizer_slots,
-            platform=platform,
-            hardware=profile,
-            job=job,
-            rematerialize=_remat_request(rematerialize),
-            sequence_parallel=sequence_parallel,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            batch_over_model_axes=batch_over_model_axes,
-        )
+        options = request.planner_options(memory_budget, platform, profile)
+        matches = match_variables(traced.variables, request.rules)
+        pinned = pinned_specs(matches)
         best = None
         reasons = []
         no_fit: list[tuple[MeshSpec, NoFit]] = []
         for mesh in meshes:
             task.describe(f"planning: search on {mesh.describe()}")
             try:
-                candidate = _plan_on_mesh(graph, traced.variables, mesh, options, rules)
+                pins = pins_on_mesh(graph, matches, mesh)
+                chosen = choose_levers(graph, planning_axes(mesh), mesh, options, pins)
+                candidate = _finish_plan(graph, traced.variables, mesh, pinned, chosen)
             except NoFit as error:
                 logger.info("Mesh %s: %s", mesh.describe(), error)
                 no_fit.append((mesh, error))
@@ -281,38 +258,22 @@ def plan_with_cost(
     if best is None and no_fit:
         mesh, closest = min(no_fit, key=lambda m: m[1].best.estimate.peak_bytes)
         message = no_fit_message(mesh, closest)
-        if budget_asked:
+        if request.budget_asked:
             raise PlanError(message)
         warnings.warn(message, stacklevel=2)
-        best = _finish_plan(graph, traced.variables, mesh, rules, closest.best)
+        best = _finish_plan(graph, traced.variables, mesh, pinned, closest.best)
         best = (
             dataclasses.replace(best[0], notes=best[0].notes + (message,)),
             best[1],
         )
     if best is None:
-        if memory_budget is None:
-            raise PlanError(
-                "No plan satisfies the rules and divisibility on "
-                f"{', '.join(m.describe() for m in meshes)} (there is no memory "
-                f"budget). {' '.join(reasons)} Check that each rule's spec can "
-                "hold: its mesh axes divide the dimensions they cut, no mesh axis "
-                "twice in one tensor, and tensors that must share a sharding "
-                "(e.g. a kernel and the activation it makes) are not pinned to "
-                f"conflicting axes. Rules given: {sorted(rules or {})}."
-            )
-        raise PlanError(
-            f"No plan on {', '.join(m.describe() for m in meshes)}: {' '.join(reasons)}"
-        )
+        raise PlanError(no_plan_message(meshes, reasons, memory_budget, request.rules))
     sharding_plan, cost = best
     if traced.notes:
         sharding_plan = dataclasses.replace(
             sharding_plan, notes=traced.notes + sharding_plan.notes
         )
     return PlanningResult(sharding_plan, cost, graph, time.perf_counter() - start)
-
-
-def _remat_request(rematerialize: str | Sequence[str]) -> str | tuple[str, ...]:
-    return rematerialize if isinstance(rematerialize, str) else tuple(rematerialize)
 
 
 def _device_platform() -> str:
@@ -345,28 +306,15 @@ def _candidate_meshes(device_mesh, device_count) -> list[MeshSpec]:
     ]
 
 
-def _plan_on_mesh(graph, variables, mesh: MeshSpec, options, rules):
-    axes = planning_axes(mesh)
-    pinned_specs = _pinned_specs(variables, rules)
-    _check_rules_against_shapes(variables, rules, mesh)
-    pins = _pins_from_specs(graph, pinned_specs, mesh)
-    chosen = choose_levers(graph, axes, mesh, options, pins)
-    return _finish_plan(graph, variables, mesh, rules, chosen)
-
-
-def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
-    pinned_specs = _pinned_specs(variables, rules)
-    sharding_plan = _build_plan(
-        graph,
-        variables,
-        mesh,
-        chosen.assignment,
-        chosen.cost,
-        pinned_specs,
-        chosen.estimate,
-        chosen.remat,
-        chosen.sequence,
-    )
+def _finish_plan(
+    graph: AxisGraph,
+    variables,
+    mesh: MeshSpec,
+    pinned: Mapping[str, tuple],
+    chosen: Candidate,
+) -> tuple[ShardingPlan, PlanCost]:
+    """The plan of `chosen` on `mesh`, pinned variables as the rules say."""
+    sharding_plan = _build_plan(graph, variables, mesh, pinned, chosen)
     if chosen.micro_batches > 1:
         sharding_plan = dataclasses.replace(
             sharding_plan, gradient_accumulation_steps=chosen.micro_batches
@@ -379,109 +327,14 @@ def _finish_plan(graph, variables, mesh, rules, chosen: Candidate):
     return sharding_plan, chosen.cost
 
 
-def _pinned_specs(variables, rules) -> dict[str, tuple]:
-    if not rules:
-        return {}
-    matched = match_rules([v.path for v in variables], rules)
-    return {path: spec for path, (_, spec) in matched.items()}
-
-
-def _check_rules_against_shapes(variables, rules, mesh: MeshSpec) -> None:
-    """Every rule's spec fits its variables on `mesh`, before any search: the
-    error names the rule, variable, dim, size and mesh axis."""
-    if not rules:
-        return
-    shapes = {v.path: tuple(v.shape) for v in variables}
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    matched = match_rules(list(shapes), rules)
-    for path, (rule, spec) in sorted(matched.items()):
-        shape = shapes[path]
-        where = f"Rule {rule!r} (spec {tuple(spec)}) on variable {path!r} {shape}"
-        if len(spec) != len(shape):
-            raise PlanError(
-                f"{where}: the spec has {len(spec)} entries, the variable "
-                f"{len(shape)} dims. Give one mesh axis or None per dim."
-            )
-        named = spec_axes(spec)
-        for axis in named:
-            if axis not in sizes:
-                raise PlanError(
-                    f"{where}: mesh axis {axis!r} is not in the mesh {mesh.describe()}."
-                )
-        if len(set(named)) != len(named):
-            raise PlanError(f"{where}: a mesh axis may cut only one dim of a tensor.")
-        for dim, entry in enumerate(spec):
-            size = mesh.axis_size(entry_axes(entry))
-            if shape[dim] % size:
-                axes = " x ".join(f"{a!r}" for a in entry_axes(entry))
-                raise PlanError(
-                    f"{where}: dim {dim} has size {shape[dim]}, which mesh axis "
-                    f"{axes} (size {size}) does not divide. Cut another "
-                    "dim, use a mesh axis that divides it, or pad the layer to "
-                    f"a multiple of {size}."
-                )
-
-
-def _pins_from_specs(graph: AxisGraph, pinned: Mapping[str, tuple], mesh) -> Pins:
-    class_axis: dict[int, str | None] = {}
-    fsdp: dict[str, list[tuple[int, str]]] = {}
-    for path, spec in pinned.items():
-        tensor = graph.params_by_path.get(path)
-        if tensor is None:
-            continue
-        if len(spec) != len(tensor.shape):
-            raise PlanError(
-                f"Rule for {path!r} gives spec {spec} with {len(spec)} entries; "
-                f"the variable has shape {tensor.shape}."
-            )
-        for dim, axis in enumerate(spec):
-            if isinstance(axis, tuple):
-                raise PlanError(
-                    f"Rule for {path!r} cuts dim {dim} over several mesh axes "
-                    f"{axis}; the planner takes one mesh axis per dim in rules "
-                    "so far. Give the whole plan by rules instead "
-                    "(keras_autoshard.plans.rules.plan_from_rules), or one axis."
-                )
-            cls = tensor.dim_classes[dim]
-            if cls is None:
-                if axis is not None:
-                    raise PlanError(
-                        f"Rule shards dim {dim} of {path!r} (size 1) on {axis!r}."
-                    )
-                continue
-            shardable = graph.classes[cls].unshardable_reason is None
-            if axis is None or not shardable:
-                if axis is not None:
-                    fsdp.setdefault(path, []).append((dim, axis))
-                elif cls not in class_axis:
-                    class_axis[cls] = None
-                continue
-            previous = class_axis.get(cls, axis)
-            if previous != axis:
-                raise PlanError(
-                    f"Rules disagree: {path!r} dim {dim} on {axis!r}, but another "
-                    f"rule puts the same tensor axis on {previous!r} (they must "
-                    "match, the computation couples them)."
-                )
-            class_axis[cls] = axis
-    return Pins(
-        class_axis=class_axis,
-        fsdp={k: tuple(v) for k, v in fsdp.items()},
-        no_fsdp=frozenset(pinned),
-    )
-
-
 def _build_plan(
-    graph,
+    graph: AxisGraph,
     variables,
-    mesh,
-    assignment: Assignment,
-    cost,
-    pinned,
-    estimate=None,
-    remat: tuple[str, ...] = (),
-    sequence: SequenceCut | None = None,
-):
+    mesh: MeshSpec,
+    pinned: Mapping[str, tuple],
+    chosen: Candidate,
+) -> ShardingPlan:
+    assignment, estimate = chosen.assignment, chosen.estimate
     roles = class_roles(graph)
     by_name = {t.name: t for t in graph.tensors if t.kind in ("param", "state")}
     unread = set(graph.unread)
@@ -493,10 +346,10 @@ def _build_plan(
             for c in (tensor.dim_classes if tensor else (None,) * len(info.shape))
         )
         if info.path in pinned:
-            spec, reason = tuple(pinned[info.path]), "user rule"
+            spec, reason = tuple(pinned[info.path]), USER_RULE_REASON
         elif tensor is None or not info.dtype.startswith(("float", "bfloat")):
             spec = (None,) * len(info.shape)
-            reason = "replicated: not a floating-point tensor of the computation"
+            reason = NOT_COMPUTED_REASON
         else:
             spec = tensor_axes(tensor, assignment)
             reason = variable_reason(
@@ -507,18 +360,19 @@ def _build_plan(
         )
     data_axis = batch_axis(graph, assignment)
     activations, pin_notes = output_layouts(
-        graph, assignment, pinned, sequence, estimate.job if estimate else "train"
+        graph, assignment, pinned, chosen.sequence, estimate.job
     )
-    if estimate is not None:
-        pin_notes.append(memory_note(estimate))
+    pin_notes.append(memory_note(estimate, chosen.levers))
     plan = ShardingPlan(
         mesh=mesh,
         variables=tuple(entries),
         batch_axis=data_axis,
         activations=activations,
-        notes=tuple(plan_notes(graph, mesh, assignment, roles, cost) + pin_notes),
+        notes=tuple(
+            plan_notes(graph, mesh, assignment, roles, chosen.cost) + pin_notes
+        ),
         estimate=estimate,
-        rematerialize=remat,
+        rematerialize=chosen.remat,
     )
     validate_plan_structure(plan)
     return plan

@@ -180,7 +180,7 @@ def accelerator_stages(
     """An accelerator's backward pass, one stage per position of the call
     order (`layer_calls`) and one after the last: stage `i` holds the
     `kept_to_here` of stages `0 … i`, its own residuals, and the gradients
-    of stages `i … last` (see `memory_model.accelerator_peak`).
+    of stages `i … last` (see `accelerator_peak.accelerator_peak`).
 
     Args:
         graph: The model's axis graph, `for_platform` an accelerator.

@@ -1,11 +1,12 @@
 """Find the cheapest `Assignment`: the attempts `search` makes.
 
-Each attempt solves the exact program of `milp_program.py`: the batch split
-forced over the data axes, else preferred, with identical blocks tied, else
-free; on the mesh's own axes first, then with an axis spanning them where a
-grouped convolution keeps the batch whole; then, where no axis cuts the
-batch at all (a mesh with no data axis of size > 1), with model axes free to
-cut it, the least replicated compute first.
+Each attempt solves the exact program `milp_builder.py` builds (a
+`MilpProgram`): the batch split forced over the data axes, else preferred,
+with identical blocks tied, else free; on the mesh's own axes first, then
+with an axis spanning them where a grouped convolution keeps the batch
+whole; then, where no axis cuts the batch at all (a mesh with no data axis
+of size > 1), with model axes free to cut it, the least replicated compute
+first.
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.batch_classes import (
     input_batch_classes as batch_input_classes,
 )
-from keras_autoshard.planner.cost_model import (
-    Assignment,
-    MeshAxis,
-    PlannerOptions,
-    mesh_axes,
-)
+from keras_autoshard.planner.cost_model import Assignment, PlannerOptions
 from keras_autoshard.planner.linear_program import InfeasibleError
-from keras_autoshard.planner.milp_program import solve_program
+from keras_autoshard.planner.mesh_axis import MeshAxis, mesh_axes
+from keras_autoshard.planner.milp_builder import solve_program
 from keras_autoshard.planner.pins import Pins
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ A weight gradient contracts over the tokens (`K`: batch × sequence on one
 device) into an output of the weight's size. When that output is small
 against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
 products of the output's size, in float32, summed afterwards.
-`memory_model.accelerator_peak` counts the largest product's partials of
+`accelerator_peak.accelerator_peak` counts the largest product's partials of
 a layer's weight gradients (`split_gradient_bytes`) while that layer's
 backward pass runs: each product's are summed as it is made (read off
 XLA:GPU's buffers at the compiled peak of the zoo's Llama on 2x4:

@@ -2,7 +2,7 @@
 computes them: a parameter's storage cut carried into the residual stream
 and what the backward pass keeps, over an axis the plan computes it whole
 on; a reshape's merged dims cut as its result is (`held_as_partitioned`,
-read by `memory_model.accelerator_peak`; `stream_drift` also by
+read by `accelerator_peak.accelerator_peak`; `stream_drift` also by
 `output_layouts`).
 """
 
