@@ -20,15 +20,6 @@ from tools import python_source
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = ROOT / "keras_autoshard"
 
-# Tested in the seams branch (issue 32), which restructures them and writes
-# their unit tests; this set goes at that merge.
-TESTED_IN_THE_SEAMS_BRANCH = {
-    "keras_autoshard.planner.milp_program",
-    "keras_autoshard.planner.peak_budget",
-    "keras_autoshard.planner.levers",
-    "keras_autoshard.planner.pins",
-}
-
 
 def _dotted(path: pathlib.Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -83,8 +74,6 @@ def test_the_rule_families_are_found():
 def test_every_planner_module_and_rule_family_has_a_unit_test_of_its_own():
     missing = []
     for module, test_file in modules_needing_unit_tests().items():
-        if module in TESTED_IN_THE_SEAMS_BRANCH:
-            continue
         if not test_file.exists() or module not in imported_modules(test_file):
             missing.append(
                 f"{module}: create {test_file.relative_to(ROOT)} importing it"
@@ -92,9 +81,3 @@ def test_every_planner_module_and_rule_family_has_a_unit_test_of_its_own():
     assert not missing, "Modules without a unit test of their own:\n" + "\n".join(
         missing
     )
-
-
-def test_the_seams_exemptions_name_existing_modules():
-    """An exemption for a module that was renamed or removed hides nothing:
-    drop it."""
-    assert TESTED_IN_THE_SEAMS_BRANCH <= set(modules_needing_unit_tests())

@@ -227,6 +227,9 @@ class AxisGraph:
         outputs: The forward pass's output tensor ids.
         workspaces: `(tensor id, factor)`: an equation whose backward pass
             needs `factor` buffers of that operand's size at once.
+        poolings: `(operand, output)` of each max or min pooling: XLA:GPU
+            forms the operand's gradient by scattering the output's into a
+            zeroed buffer of the operand's size (`memory_model`).
         tensor_layers: The top-level Keras layer whose call made each
             tensor ("" outside any layer; `graph/blocks.py`).
         layer_inputs: `(layer, tensor ids)`: the activations each top-level
@@ -308,6 +311,7 @@ class AxisGraph:
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
     workspaces: tuple[tuple[int, float], ...] = ()
+    poolings: tuple[tuple[int, int], ...] = ()
     tensor_layers: tuple[str, ...] = ()
     layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     unread: tuple[int, ...] = ()

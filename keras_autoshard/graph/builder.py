@@ -237,6 +237,8 @@ class _GraphBuilder:
         self.reduced_from: dict[int, int] = {}
         # Operand -> buffers of its size its equation's backward needs at once.
         self.workspaces: dict[int, float] = {}
+        # A max or min pooling's operand -> (its output, its layer).
+        self.poolings: dict[int, tuple[int, str]] = {}
         # > 0 while walking the body of a call whose own derivative rule
         # decides its residuals (a custom JVP call): its equations keep none.
         self.own_rule_depth = 0
@@ -264,6 +266,7 @@ class _GraphBuilder:
         name = eqn.eqn.primitive.name
         if name in WORKSPACE_FACTORS and eqn.ins:
             self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
+            self.poolings[eqn.ins[0]] = (outs[0], self.layers.current)
         if name not in STRUCTURAL_PRIMITIVES:
             note_fusion(self, name, name in FUSIBLE_PRIMITIVES, eqn.ins, outs)
         if all(t in self.constant_like for t in eqn.ins):
@@ -510,6 +513,7 @@ class _GraphBuilder:
                 self, within_layers=True, accelerator=True
             ),
             workspaces=tuple(sorted(self.workspaces.items())),
+            poolings=tuple((t, out) for t, (out, _) in sorted(self.poolings.items())),
             other_residual_bytes=self.other_residual_bytes,
             tensor_layers=self.layers.scopes(len(self.tensors)),
             layer_inputs=tuple(sorted(self.layers.outside_inputs().items())),

@@ -148,6 +148,14 @@ def accelerator_peak(
             local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
         )
         largest[stage] = max(largest[stage], pair * part)
+    # A max pooling's backward pass reads its output's gradient and scatters
+    # it into a zeroed buffer of its operand's size, the operand's gradient.
+    for source, output in graph.poolings:
+        stage = position.get(graph.tensor_layers[output], last)
+        pair = sum(
+            local_bytes(graph.tensors[t], assignment, sizes) for t in (source, output)
+        )
+        largest[stage] = max(largest[stage], pair * part)
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)
     partials = [0.0] * len(stages)  # split-K partial products made there

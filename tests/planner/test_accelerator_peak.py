@@ -1,0 +1,74 @@
+"""What one device holds at the fullest stage of XLA:GPU's backward pass
+(`planner/accelerator_peak.py`) and the residuals it counts there
+(`graph/fusion.py`'s accelerator rules), on a convolution, a max pooling
+and a Dense written here, traced over shapes only."""
+
+import functools
+
+import jax
+import keras
+import pytest
+
+from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.planner.accelerator_peak import accelerator_peak
+from keras_autoshard.planner.cost_model import Assignment
+from keras_autoshard.trace.tracer import trace_model
+
+BATCH, SIDE, CHANNELS = 2, 8, 4
+# Bytes of the pooling's operand (2 x 8 x 8 x 4 floats) and output (2 x 4 x 4 x 4).
+OPERAND, POOLED = 4 * BATCH * SIDE * SIDE * CHANNELS, 4 * BATCH * 4 * 4 * CHANNELS
+
+
+@functools.cache
+def pooling_graph(activation: str, platform: str = "gpu") -> AxisGraph:
+    x = keras.Input((SIDE, SIDE, 3), batch_size=BATCH)
+    h = keras.layers.Conv2D(
+        CHANNELS, 3, padding="same", activation=activation, name="conv"
+    )(x)
+    h = keras.layers.MaxPooling2D(name="pool")(h)
+    h = keras.layers.Flatten(name="flatten")(h)
+    model = keras.Model(x, keras.layers.Dense(2, name="head")(h))
+    traced = trace_model(model, jax.ShapeDtypeStruct((BATCH, SIDE, SIDE, 3), "float32"))
+    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+    return graph.for_platform(platform)
+
+
+def _pooling(graph: AxisGraph):
+    ((operand, output),) = graph.poolings
+    return graph.tensors[operand], graph.tensors[output]
+
+
+@pytest.mark.parametrize("activation, relu", [("relu", 1), ("tanh", 0)])
+def test_a_max_pooling_keeps_the_positions_of_its_maxima(activation, relu):
+    graph = pooling_graph(activation)
+    operand, output = _pooling(graph)
+    assert (operand.shape, output.shape) == ((2, 8, 8, 4), (2, 4, 4, 4))
+    kept = [k for k in graph.residuals if k.layers == ("pool",)]
+    # One int32 position array per operand dim (4) of the output's 128
+    # elements: 2048 bytes, the operand's own size; a ReLU's zero, one more.
+    assert [(k.tensor, k.scale) for k in kept] == [(operand.id, 1.0 + relu)]
+
+
+def test_a_relus_mask_is_not_kept_beside_its_output_on_xla_gpu():
+    def masks(graph):
+        whole = {k.tensor for k in graph.residuals if k.scale >= 1.0}
+        return [k for k in graph.residuals if k.scale < 1.0 and k.tensor in whole]
+
+    # XLA:CPU keeps the boolean mask (a quarter of the float output) too.
+    assert [k.scale for k in masks(pooling_graph("relu", "cpu"))] == [0.25]
+    assert masks(pooling_graph("relu")) == []
+
+
+def test_the_poolings_stage_scatters_the_operands_gradient():
+    graph = pooling_graph("tanh")
+    kept, gradients, workspace = accelerator_peak(
+        graph, Assignment({}), {}, frozenset()
+    )
+    # At the pooling's backward stage: its output's gradient read, its
+    # operand's gradient scattered into a zeroed buffer beside it.
+    assert workspace == OPERAND + POOLED
+    # Kept there: the tanh output the pooling reads and its positions.
+    assert kept == 2 * OPERAND
+    # The head's gradients are made; the convolution's come below.
+    assert gradients == 4 * (4 * 4 * CHANNELS * 2 + 2)
