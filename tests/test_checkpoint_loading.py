@@ -23,7 +23,7 @@ from keras_autoshard import (
 )
 from keras_autoshard.checkpoint.sharded_load import load_preset_sharded
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.trace.keras_layout import keras_h5_keys
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 MEGATRON_RULES = {
