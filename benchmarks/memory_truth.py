@@ -57,7 +57,7 @@ from benchmarks.markdown import (  # noqa: E402
 )
 from benchmarks.report import machine_description  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "memory-truth"
 MESHES = ((2, 4), (1, 8), (8, 1))

@@ -45,7 +45,7 @@ from benchmarks.measure import time_train_steps  # noqa: E402
 from keras_autoshard import TensorParallel, names_replayed_after  # noqa: E402
 from keras_autoshard.errors import PlanError  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 from keras_autoshard.report.estimate_check import compiled_peak_bytes  # noqa: E402
 
 SECTION_NAME = "tensor-parallel"

@@ -41,7 +41,7 @@ from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh  # noqa: E402
 from keras_autoshard.apply.torch.planning import plan_for_torch  # noqa: E402
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel  # noqa: E402
-from keras_autoshard.planner.remote import align_plan  # noqa: E402
+from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
 from keras_autoshard.plans.rules import plan_from_rules  # noqa: E402
 from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     ensure_process_group,

@@ -14,7 +14,7 @@ from keras_autoshard.planner.cost_model import (
     repeated_products,
 )
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 
 
 def batch_notes(graph: AxisGraph, mesh: MeshSpec, assignment: Assignment) -> list[str]:

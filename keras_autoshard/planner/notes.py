@@ -14,8 +14,8 @@ from keras_autoshard.plans.estimate import (
     PlanEstimate,
     usable_budget,
 )
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.units import format_bytes
 
 # State per device above this multiple of an even cut is explained in a note.
 UNEVEN_STATE = 1.1

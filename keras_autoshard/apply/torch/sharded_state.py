@@ -13,7 +13,7 @@ import dataclasses
 
 import keras
 
-from keras_autoshard.apply.common import slot_owner, slot_prefix
+from keras_autoshard.apply.optimizer_slots import slot_owner, slot_prefix
 from keras_autoshard.apply.torch.abstract_build import (
     initial_value,
     is_materialised,

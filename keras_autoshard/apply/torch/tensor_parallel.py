@@ -12,7 +12,7 @@ from typing import Any
 import keras
 from keras import tree
 
-from keras_autoshard.apply.common import first_batch_of
+from keras_autoshard.apply.first_batch import first_batch_of
 from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
 from keras_autoshard.apply.torch.abstract_build import (
