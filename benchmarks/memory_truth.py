@@ -194,11 +194,11 @@ class TruthCase:
         micro-batches), its distribution and the batch of one compiled step."""
         from benchmarks import zoo
         from benchmarks.measure import plan_distribution
-        from keras_autoshard import names_replayed_after
         from keras_autoshard.apply.as_planned import (
             compile_as_planned,
             first_micro_batch,
         )
+        from keras_autoshard.building import names_replayed_after
 
         y = zoo.random_targets(self.build, self.x)
         distribution = plan_distribution(self.sharding_plan)

@@ -21,8 +21,9 @@ Stage order (a module may import its own stage and earlier ones only):
     checkpoint                            (9: reads and writes applied models)
     cli, __main__                         (10: the command line)
 
-`keras_autoshard/__init__.py` and `keras_autoshard/collectives.py` only name
-the public API (lazily / by re-export) and are left out of the order.
+`keras_autoshard/__init__.py` and its public modules `building.py`,
+`distributed.py`, `types.py` (and the deprecated `collectives.py`) only name
+the public API, lazily, and are left out of the order.
 
 Backend dispatch (`TensorParallel`, `AutoShardDistribution`, collectives)
 names its backend modules as strings resolved when a backend is asked for, as
@@ -56,7 +57,13 @@ STAGES = {
     "cli": 10,
     "__main__": 10,
 }
-PUBLIC_FRONTS = {"keras_autoshard", "keras_autoshard.collectives"}
+PUBLIC_FRONTS = {
+    "keras_autoshard",
+    "keras_autoshard.building",
+    "keras_autoshard.collectives",
+    "keras_autoshard.distributed",
+    "keras_autoshard.types",
+}
 MAX_MODULE_LINES = 600
 
 

@@ -157,8 +157,9 @@ def run_callback(mesh, x, y, out_dir) -> dict:
         callbacks=[callback],
     )
     problems = []
-    if ka.complete_steps(directory) != [4, 6]:
-        problems.append(f"complete steps {ka.complete_steps(directory)}, not [4, 6]")
+    steps = ka.ShardedCheckpoint.complete_steps(directory)
+    if steps != [4, 6]:
+        problems.append(f"complete steps {steps}, not [4, 6]")
     trained = state(tp)
     fresh = wrapped(mesh, seed=5)
     fresh.compile(optimizer=adam(), loss="mse")
