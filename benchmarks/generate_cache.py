@@ -37,7 +37,7 @@ from collections.abc import Sequence  # noqa: E402
 
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.report import machine_description  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "generate"
 MODELS = ("gpt2", "opt", "gemma", "llama")

@@ -16,7 +16,8 @@ from keras.src.distribution.distribution_lib import Distribution
 
 from benchmarks.models import ModelCase
 from benchmarks.strategies import Strategy, StrategyNotApplicable
-from keras_autoshard import MeshSpec, inspect_compiled, names_replayed_after
+from keras_autoshard import MeshSpec, inspect_compiled
+from keras_autoshard.building import names_replayed_after
 
 WARMUP_STEPS = 2
 LEARNING_RATE = 1e-3
@@ -322,7 +323,8 @@ def planned_generate(name: str, shape: tuple[int, ...]):
     import keras_hub
 
     from benchmarks import zoo
-    from keras_autoshard import build_abstract, plan
+    from keras_autoshard import plan
+    from keras_autoshard.building import build_abstract
 
     task_class = getattr(keras_hub.models, CAUSAL_LM[name])
     build = getattr(zoo, name)

@@ -57,7 +57,7 @@ from benchmarks.markdown import (  # noqa: E402
 )
 from benchmarks.report import machine_description  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "memory-truth"
 MESHES = ((2, 4), (1, 8), (8, 1))
@@ -194,11 +194,11 @@ class TruthCase:
         micro-batches), its distribution and the batch of one compiled step."""
         from benchmarks import zoo
         from benchmarks.measure import plan_distribution
-        from keras_autoshard import names_replayed_after
         from keras_autoshard.apply.as_planned import (
             compile_as_planned,
             first_micro_batch,
         )
+        from keras_autoshard.building import names_replayed_after
 
         y = zoo.random_targets(self.build, self.x)
         distribution = plan_distribution(self.sharding_plan)

@@ -259,7 +259,7 @@ def _row_group(row: dict) -> str:
 
 
 def _axis_cells(totals: dict[str, int], groups: Sequence[str]) -> list[str]:
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
 
     return [format_bytes(totals.get(group, 0)) for group in groups]
 
@@ -279,7 +279,7 @@ def _unplanned_cells(row: dict) -> str:
 def zoo_section(rows: Sequence[dict]) -> str:
     """Table 1 and its summary (Markdown)."""
     from benchmarks.markdown import markdown_table
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
 
     compiled = [r for r in rows if "plan_error" not in r]
     groups = _axis_groups(compiled)
@@ -352,7 +352,7 @@ def _pairs(zoo_rows: Sequence[dict], megatron_rows: Sequence[dict]) -> list:
 def megatron_section(zoo_rows: Sequence[dict], megatron_rows: Sequence[dict]) -> str:
     """Table 2 and its summary (Markdown)."""
     from benchmarks.markdown import markdown_table
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
 
     pairs = _pairs(zoo_rows, megatron_rows)
     groups = _axis_groups(row for pair in pairs for row in pair)
@@ -415,7 +415,7 @@ def render(
 ) -> str:
     """The `memory-truth-gpu` section (Markdown)."""
     from keras_autoshard.plans.hardware import hardware_profile
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
 
     profile = hardware_profile(TARGET)
     text = (

@@ -55,12 +55,8 @@ from benchmarks.hub_backbones import CASES, HubBackboneCase, build  # noqa: E402
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.measure import relative_error  # noqa: E402
 from benchmarks.report import machine_description, versions  # noqa: E402
-from keras_autoshard import (  # noqa: E402
-    AutoShardDistribution,
-    MeshSpec,
-    names_replayed_after,
-    plan,
-)
+from keras_autoshard import AutoShardDistribution, MeshSpec, plan  # noqa: E402
+from keras_autoshard.building import names_replayed_after  # noqa: E402
 from keras_autoshard.plans.mesh import SpecEntry, entry_axes, entry_text  # noqa: E402
 
 SECTION_NAME = "model-coverage"

@@ -52,7 +52,7 @@ from keras_autoshard import (  # noqa: E402
     PlanDistribution,
     plan,
 )
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "moe"
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))

@@ -42,7 +42,7 @@ def main() -> None:
     from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.plans.estimate import HEADROOM
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
 
     def build():
         return keras_hub.models.LlamaBackbone(

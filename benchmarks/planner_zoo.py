@@ -55,10 +55,11 @@ from benchmarks.strategies import (  # noqa: E402
     StrategyNotApplicable,
     handwritten_plan,
 )
-from keras_autoshard import AutoShardDistribution, MeshSpec, names_replayed_after, plan  # noqa: E402
+from keras_autoshard import AutoShardDistribution, MeshSpec, plan  # noqa: E402
+from keras_autoshard.building import names_replayed_after  # noqa: E402
 from keras_autoshard.errors import PlanError  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "planner-zoo"
 MODEL_NAMES = ("gpt2", "bert", "opt", "gemma", "llama")

@@ -285,8 +285,9 @@ def plan_child(key: str, plan_path: str) -> dict[str, Any]:
 def compile_child(key: str, layers: int, plan_path: str) -> dict[str, Any]:
     """Child: compile the step at `layers` (the full plan at full depth, a
     reduced plan otherwise) for the mesh's GPUs."""
-    from keras_autoshard import ShardingPlan, build_abstract
+    from keras_autoshard import ShardingPlan
     from keras_autoshard.apply.jax.target_compile import compile_for_target
+    from keras_autoshard.building import build_abstract
 
     row = _row(key)
     full_plan = ShardingPlan.load(plan_path)

@@ -19,7 +19,7 @@ from typing import Any
 from benchmarks.markdown import markdown_table
 from benchmarks.reduced_depth import fit_linear
 from keras_autoshard.plans.hardware import hardware_profile
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 
 
 def tokens_per_s_per_gpu(

@@ -12,7 +12,7 @@ from benchmarks.markdown import markdown_table
 from benchmarks.measure import AxesKey, CaseResult, Measurement
 from benchmarks.models import MODELS, MegatronMinimum
 from keras_autoshard import MeshSpec
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 
 BASELINE_STRATEGY = "single"
 NOT_AVAILABLE = "n/a"

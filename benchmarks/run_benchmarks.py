@@ -41,7 +41,8 @@ from benchmarks.measure import CaseResult, Measurement, measure_case  # noqa: E4
 from benchmarks.models import MODELS, MegatronMinimum  # noqa: E402
 from benchmarks.report import render_section  # noqa: E402
 from benchmarks.strategies import DATA_AXIS, MODEL_AXIS, STRATEGIES  # noqa: E402
-from keras_autoshard import MeshSpec, names_replayed_after  # noqa: E402
+from keras_autoshard import MeshSpec  # noqa: E402
+from keras_autoshard.building import names_replayed_after  # noqa: E402
 
 SECTION_NAME = "sharding-strategies"
 MESH = MeshSpec((2, 4), (DATA_AXIS, MODEL_AXIS))

@@ -36,7 +36,7 @@ from collections.abc import Sequence  # noqa: E402
 
 from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.report import machine_description  # noqa: E402
-from keras_autoshard.plans.plan_table import format_bytes  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "sequence-parallel"
 MODELS = ("gpt2", "bert", "opt", "gemma", "llama", "subclassed")

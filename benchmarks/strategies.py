@@ -23,9 +23,9 @@ from keras_autoshard import (
     PlanDistribution,
     ShardingPlan,
     make_device_mesh,
-    names_replayed_after,
     plan_from_rules,
 )
+from keras_autoshard.building import names_replayed_after
 
 DATA_AXIS = "batch"
 MODEL_AXIS = "model"

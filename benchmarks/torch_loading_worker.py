@@ -36,8 +36,8 @@ from benchmarks.checkpoint_loading import (  # noqa: E402
     _reset_peak_rss,
     _rss_bytes,
 )
-from keras_autoshard.runtime.torch_shards import is_dtensor, local_slice_index  # noqa: E402
-from keras_autoshard.trace.keras_layout import keras_h5_keys  # noqa: E402
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys  # noqa: E402
+from keras_autoshard.io.torch.dtensor_shards import is_dtensor, local_slice_index  # noqa: E402
 
 ROWS = 8
 

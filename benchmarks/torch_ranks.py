@@ -22,7 +22,7 @@ import tempfile
 
 from benchmarks.markdown import markdown_table, write_section
 from benchmarks.report import machine_description
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 
 SECTION_NAME = "torch-ranks"
 WORKER = os.path.join(

@@ -120,7 +120,7 @@ def main() -> None:
     y = rng.standard_normal((args.batch, args.seq_len, 1)).astype("float32")
 
     keras.utils.set_random_seed(0)
-    with ka.names_replayed_after():  # the sharded build gets the same paths
+    with ka.building.names_replayed_after():  # the sharded build gets the same paths
         reference = build(args)
     reference.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
 

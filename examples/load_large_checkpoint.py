@@ -111,7 +111,7 @@ def main() -> None:
             )
             ckpt = os.path.join(workdir, "orbax")
             ka.save_checkpoint(model, ckpt, step=1, plan=plan)
-            steps = ka.complete_steps(ckpt)
+            steps = ka.ShardedCheckpoint.complete_steps(ckpt)
             print(f"Saved an Orbax checkpoint shard by shard: steps {steps}")
 
 

@@ -4,19 +4,22 @@ The public API is named here, in the style of `keras.distribution`:
 
 - planning: `plan`, `plan_from_rules`, `ShardingPlan`, `MeshSpec`,
   `HardwareProfile`, `hardware_profile`, `AutoShardDistribution`,
-  `PlanDistribution`, `TensorParallel`, `rematerialize`, `build_abstract`
-  (a model built with no weights), `names_replayed_after` (a model built
-  again gets the same variable paths), and the device setup
-  `simulate_devices`, `make_device_mesh`, `initialize`, `resolve_cluster`,
-  `process_batch_rows`;
+  `PlanDistribution`, `TensorParallel`, `rematerialize`, and the devices
+  `simulate_devices`, `make_device_mesh`;
 - loading and saving: `load_weights_sharded` (a weights file),
   `from_preset` (a KerasHub preset), `save_checkpoint`,
-  `restore_checkpoint`, `load_model_sharded`, `complete_steps`, the
-  callback `ShardedCheckpoint` (either backend) and `save_safetensors`;
+  `restore_checkpoint`, `load_model_sharded`, the callback
+  `ShardedCheckpoint` (either backend; `ShardedCheckpoint.complete_steps`
+  lists the steps whose save finished) and `save_safetensors`;
 - reports: `inspect_compiled`, `compile_for_target`;
-- `keras_autoshard.errors` (every error, under `AutoShardError`) and
-  `keras_autoshard.types` (the data the API returns: `PlanEstimate`,
-  `VariableSharding`, `CompiledReport`, ...).
+- modules of the API: `keras_autoshard.distributed` (the processes of a
+  job: `initialize`, `resolve_cluster`, `process_batch_rows`, and the
+  collectives `all_reduce`, `all_gather`, ... for hand-written parallel
+  code), `keras_autoshard.building` (`build_abstract`: a model built with no
+  weights; `names_replayed_after`: a model built again gets the same
+  variable paths), `keras_autoshard.errors` (every error, under
+  `AutoShardError`) and `keras_autoshard.types` (the data the API returns:
+  `PlanEstimate`, `VariableSharding`, `CompiledReport`, ...).
 
 Every other module is internal and may move. Names the top level held
 before keep working for one release, with a `DeprecationWarning` naming
@@ -24,7 +27,8 @@ where they live now (`_MOVED`).
 
 Names are imported lazily, so `import keras_autoshard` neither imports Keras
 nor fixes its backend: `simulate_devices` and the command line can still set
-`KERAS_BACKEND` and `XLA_FLAGS` first.
+`KERAS_BACKEND` and `XLA_FLAGS` first. `keras_autoshard.collectives` (now
+`keras_autoshard.distributed`) keeps working one release, warning likewise.
 """
 
 import importlib
@@ -44,7 +48,6 @@ _PUBLIC_NAMES = {
     "compile_for_target": "keras_autoshard.apply.jax.target_compile",
     "AutoShardDistribution": "keras_autoshard.apply.auto_distribution",
     "plan": "keras_autoshard.planner.planner",
-    "build_abstract": "keras_autoshard.trace.tracer",
     "load_weights_sharded": "keras_autoshard.checkpoint.sharded_load",
     "from_preset": "keras_autoshard.checkpoint.sharded_load",
     "save_checkpoint": "keras_autoshard.checkpoint.orbax_io",
@@ -53,15 +56,10 @@ _PUBLIC_NAMES = {
     "ShardedCheckpoint": "keras_autoshard.checkpoint.callback",
     "save_safetensors": "keras_autoshard.checkpoint.safetensors_save",
     "TensorParallel": "keras_autoshard.apply.tensor_parallel",
-    "initialize": "keras_autoshard.runtime.cluster",
-    "complete_steps": "keras_autoshard.checkpoint.steps",
-    "resolve_cluster": "keras_autoshard.runtime.cluster",
-    "process_batch_rows": "keras_autoshard.runtime.cluster",
-    "names_replayed_after": "keras_autoshard.trace.naming",
 }
 
 # Submodules that are part of the API: `keras_autoshard.errors.PlanError`.
-_SUBMODULES = ("errors", "types")
+_SUBMODULES = ("building", "distributed", "errors", "types")
 
 # Old top-level name -> (module that defines it, its spelling now).
 _MOVED = {
@@ -99,6 +97,30 @@ _MOVED = {
         "keras_autoshard.checkpoint.torch_callback",
         "keras_autoshard.ShardedCheckpoint (it picks torch.distributed.checkpoint "
         "on PyTorch)",
+    ),
+    "build_abstract": (
+        "keras_autoshard.trace.tracer",
+        "keras_autoshard.building.build_abstract",
+    ),
+    "names_replayed_after": (
+        "keras_autoshard.trace.naming",
+        "keras_autoshard.building.names_replayed_after",
+    ),
+    "initialize": (
+        "keras_autoshard.runtime.cluster",
+        "keras_autoshard.distributed.initialize",
+    ),
+    "resolve_cluster": (
+        "keras_autoshard.runtime.cluster",
+        "keras_autoshard.distributed.resolve_cluster",
+    ),
+    "process_batch_rows": (
+        "keras_autoshard.runtime.cluster",
+        "keras_autoshard.distributed.process_batch_rows",
+    ),
+    "complete_steps": (
+        "keras_autoshard.checkpoint.steps",
+        "keras_autoshard.ShardedCheckpoint.complete_steps",
     ),
     "load_preset_sharded": (
         "keras_autoshard.checkpoint.sharded_load",

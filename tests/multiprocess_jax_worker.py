@@ -44,7 +44,7 @@ def main() -> int:
     import keras_autoshard as ka
 
     ka.simulate_devices(8 // args.processes)
-    spec = ka.initialize(
+    spec = ka.distributed.initialize(
         f"localhost:{args.port}" if args.processes > 1 else None,
         num_processes=args.processes,
         process_id=args.process_id,
@@ -82,7 +82,7 @@ def main() -> int:
             result["plan"] = dist.plan.to_json()
             _write(args.out, result)
             return 0
-        rows = ka.process_batch_rows(GLOBAL_BATCH, dist)
+        rows = ka.distributed.process_batch_rows(GLOBAL_BATCH, dist)
         local_x, local_y = (
             np.concatenate(
                 [a[i : i + GLOBAL_BATCH][rows] for i in range(0, len(a), GLOBAL_BATCH)]

@@ -13,7 +13,8 @@ import keras
 import numpy as np
 
 from benchmarks.measure import relative_error
-from keras_autoshard import names_replayed_after, rematerialize
+from keras_autoshard import rematerialize
+from keras_autoshard.building import names_replayed_after
 
 RELATIVE_TOLERANCE = 1e-5
 PARITY_SEED = 1234

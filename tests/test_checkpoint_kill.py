@@ -13,10 +13,10 @@ import pytest
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
-    complete_steps,
     restore_checkpoint,
     save_checkpoint,
 )
+from keras_autoshard.checkpoint.steps import complete_steps
 from tests import checkpoint_kill_worker as worker
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

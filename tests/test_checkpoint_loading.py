@@ -18,12 +18,12 @@ from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
     load_weights_sharded,
-    names_replayed_after,
     plan_from_rules,
 )
+from keras_autoshard.building import names_replayed_after
 from keras_autoshard.checkpoint.sharded_load import load_preset_sharded
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.trace.keras_layout import keras_h5_keys
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 MEGATRON_RULES = {

@@ -14,7 +14,6 @@ from keras_autoshard import (
     AutoShardDistribution,
     MeshSpec,
     PlanDistribution,
-    complete_steps,
     load_model_sharded,
     make_device_mesh,
     plan_from_rules,
@@ -22,6 +21,7 @@ from keras_autoshard import (
     save_checkpoint,
 )
 from keras_autoshard.checkpoint.orbax_callback import ShardedOrbaxCheckpoint
+from keras_autoshard.checkpoint.steps import complete_steps
 from keras_autoshard.errors import CheckpointError
 
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))

@@ -128,7 +128,7 @@ def test_plan_png_draws_the_estimated_peak_against_the_budget(gpt2_plan, tmp_pat
 
     from keras_autoshard import ShardingPlan
     from keras_autoshard.plans.estimate import usable_budget
-    from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.plans.units import format_bytes
     from keras_autoshard.report.plan_figure import (
         estimate_parts,
         estimate_title,

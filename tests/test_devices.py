@@ -64,10 +64,11 @@ def test_simulate_devices_replaces_an_existing_count_flag(monkeypatch):
 
 
 def test_the_planning_worker_keeps_the_callers_other_xla_flags(monkeypatch):
-    """The torch backend plans in a JAX subprocess (`planner.remote`); its
-    `XLA_FLAGS` are the caller's (a dump folder, compiler options) with the
-    worker's own device count, not the device count alone."""
-    from keras_autoshard.planner import remote
+    """The torch backend plans in a JAX subprocess
+    (`planner.subprocess_planning`); its `XLA_FLAGS` are the caller's (a
+    dump folder, compiler options) with the worker's own device count, not
+    the device count alone."""
+    from keras_autoshard.planner import subprocess_planning
 
     seen = {}
 
@@ -75,11 +76,13 @@ def test_the_planning_worker_keeps_the_callers_other_xla_flags(monkeypatch):
         seen.update(kwargs["env"])
         return subprocess.CompletedProcess(command, 0, '{"plan": null}', "")
 
-    monkeypatch.setattr(remote.subprocess, "run", run)
+    monkeypatch.setattr(subprocess_planning.subprocess, "run", run)
     monkeypatch.setenv(
         "XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8"
     )
-    remote.run_plan_worker({"mesh": {"shape": [1, 2], "axes": ["batch", "model"]}})
+    subprocess_planning.run_plan_worker(
+        {"mesh": {"shape": [1, 2], "axes": ["batch", "model"]}}
+    )
     assert seen["XLA_FLAGS"] == (
         "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=2"
     )

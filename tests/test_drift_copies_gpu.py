@@ -20,8 +20,9 @@ import pytest
 
 from benchmarks import real_size_gpu
 from benchmarks.reduced_depth import pinned_estimate, restricted_plan
-from keras_autoshard import ShardingPlan, build_abstract
+from keras_autoshard import ShardingPlan
 from keras_autoshard.apply.jax.target_compile import compile_for_target
+from keras_autoshard.building import build_abstract
 
 ROW = "Llama-2-70B@16x16"
 REMATERIALIZED = 2

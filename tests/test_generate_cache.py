@@ -21,7 +21,8 @@ from benchmarks.measure import (
     executable_peak_bytes,
     planned_generate,
 )
-from keras_autoshard import MeshSpec, ShardingPlan, build_abstract, plan
+from keras_autoshard import MeshSpec, ShardingPlan, plan
+from keras_autoshard.building import build_abstract
 from keras_autoshard.errors import ModelNotTraceableError, PlanError
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.trace.tracer import trace_model

@@ -18,12 +18,8 @@ from keras import layers
 
 from benchmarks import zoo
 from benchmarks.measure import compiled_as_planned
-from keras_autoshard import (
-    MeshSpec,
-    PlanDistribution,
-    build_abstract,
-    plan,
-)
+from keras_autoshard import MeshSpec, PlanDistribution, plan
+from keras_autoshard.building import build_abstract
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import relaid_weights
 from keras_autoshard.report.compiled_program import (

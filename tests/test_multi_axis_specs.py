@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from benchmarks import zoo
-from keras_autoshard import MeshSpec, PlanDistribution, names_replayed_after
+from keras_autoshard import MeshSpec, PlanDistribution
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
+from keras_autoshard.building import names_replayed_after
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.rules import plan_from_rules
 from keras_autoshard.plans.sharding_plan import ShardingPlan, VariableSharding

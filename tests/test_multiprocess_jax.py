@@ -1,7 +1,7 @@
 """Two JAX processes x 4 simulated CPU devices (gloo) against one process x 8.
 
 Real `jax.distributed` jobs on localhost, launched as subprocesses by
-`keras_autoshard.initialize`; see tests/multiprocess_jax_worker.py.
+`keras_autoshard.distributed.initialize`; see tests/multiprocess_jax_worker.py.
 """
 
 from __future__ import annotations

@@ -9,17 +9,21 @@ Stage order (a module may import its own stage and earlier ones only):
     plans                                 (1: the contract, plain data)
     runtime                               (2: devices, processes, collectives;
                                               speaks the mesh vocabulary)
-    trace                                 (3: model → TracedModel)
-    graph                                 (4: TracedModel → AxisGraph)
-    planner                               (5: AxisGraph → ShardingPlan)
-    report                                (6: compiled program → evidence)
-    apply                                 (7: ShardingPlan → running model;
+    io                                    (3: weight files and checkpoint
+                                              formats: tensors in and out of
+                                              files, knowing no plan)
+    trace                                 (4: model → TracedModel)
+    graph                                 (5: TracedModel → AxisGraph)
+    planner                               (6: AxisGraph → ShardingPlan)
+    report                                (7: compiled program → evidence)
+    apply                                 (8: ShardingPlan → running model;
                                               `TensorParallel.inspect` reports)
-    checkpoint                            (8: reads and writes applied models)
-    cli, __main__                         (9: the command line)
+    checkpoint                            (9: reads and writes applied models)
+    cli, __main__                         (10: the command line)
 
-`keras_autoshard/__init__.py` and `keras_autoshard/collectives.py` only name
-the public API (lazily / by re-export) and are left out of the order.
+`keras_autoshard/__init__.py` and its public modules `building.py`,
+`distributed.py`, `types.py` (and the deprecated `collectives.py`) only name
+the public API, lazily, and are left out of the order.
 
 Backend dispatch (`TensorParallel`, `AutoShardDistribution`, collectives)
 names its backend modules as strings resolved when a backend is asked for, as
@@ -43,16 +47,23 @@ STAGES = {
     "compat": 0,
     "plans": 1,
     "runtime": 2,
-    "trace": 3,
-    "graph": 4,
-    "planner": 5,
-    "report": 6,
-    "apply": 7,
-    "checkpoint": 8,
-    "cli": 9,
-    "__main__": 9,
+    "io": 3,
+    "trace": 4,
+    "graph": 5,
+    "planner": 6,
+    "report": 7,
+    "apply": 8,
+    "checkpoint": 9,
+    "cli": 10,
+    "__main__": 10,
 }
-PUBLIC_FRONTS = {"keras_autoshard", "keras_autoshard.collectives"}
+PUBLIC_FRONTS = {
+    "keras_autoshard",
+    "keras_autoshard.building",
+    "keras_autoshard.collectives",
+    "keras_autoshard.distributed",
+    "keras_autoshard.types",
+}
 MAX_MODULE_LINES = 600
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from benchmarks import zoo
 from benchmarks.reference_rules import keras_hub_megatron_plan
-from keras_autoshard import MeshSpec, PlanDistribution, names_replayed_after
+from keras_autoshard import MeshSpec, PlanDistribution
+from keras_autoshard.building import names_replayed_after
 from keras_autoshard.plans.rules import plan_from_rules
 from tests.parity import check_parity
 

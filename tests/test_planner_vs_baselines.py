@@ -10,12 +10,8 @@ from benchmarks import zoo
 from benchmarks.measure import compiled_as_planned, compiled_report
 from benchmarks.reference_rules import keras_hub_megatron_plan
 from benchmarks.strategies import keras_hub_layout_map
-from keras_autoshard import (
-    MeshSpec,
-    PlanDistribution,
-    names_replayed_after,
-    plan_from_rules,
-)
+from keras_autoshard import MeshSpec, PlanDistribution, plan_from_rules
+from keras_autoshard.building import names_replayed_after
 from keras_autoshard.planner.planner import plan_with_cost
 from keras_autoshard.plans.estimate import HEADROOM
 from keras_autoshard.plans.layouts import ActivationLayout

@@ -1,6 +1,8 @@
-"""The public API: the names the top level exports, the names it used to
-export (a `DeprecationWarning` naming the new spelling, the same object),
-and the one checkpoint callback for either backend."""
+"""The public API: the names the top level exports and the modules of the
+API (`building`, `distributed`), the names it used to export and the old
+`keras_autoshard.collectives` (a `DeprecationWarning` naming the new
+spelling, the same object), and the one checkpoint callback for either
+backend."""
 
 import importlib
 import pathlib
@@ -10,6 +12,7 @@ import keras
 import pytest
 
 import keras_autoshard as ka
+from keras_autoshard import collectives as collectives_front
 
 PUBLIC = [
     "AutoShardDistribution",
@@ -19,35 +22,83 @@ PUBLIC = [
     "ShardedCheckpoint",
     "ShardingPlan",
     "TensorParallel",
-    "build_abstract",
+    "building",
     "compile_for_target",
-    "complete_steps",
+    "distributed",
     "errors",
     "from_preset",
     "hardware_profile",
-    "initialize",
     "inspect_compiled",
     "load_model_sharded",
     "load_weights_sharded",
     "make_device_mesh",
-    "names_replayed_after",
     "plan",
     "plan_from_rules",
-    "process_batch_rows",
     "rematerialize",
-    "resolve_cluster",
     "restore_checkpoint",
     "save_checkpoint",
     "save_safetensors",
     "simulate_devices",
     "types",
 ]
+# Where the names the top level held before live now (their defining module).
+HOMES = {
+    "keras_autoshard.building.build_abstract": "keras_autoshard.trace.tracer",
+    "keras_autoshard.building.names_replayed_after": "keras_autoshard.trace.naming",
+    "keras_autoshard.distributed.initialize": "keras_autoshard.runtime.cluster",
+    "keras_autoshard.distributed.resolve_cluster": "keras_autoshard.runtime.cluster",
+    "keras_autoshard.distributed.process_batch_rows": (
+        "keras_autoshard.runtime.cluster"
+    ),
+    "keras_autoshard.ShardedCheckpoint.complete_steps": (
+        "keras_autoshard.checkpoint.steps"
+    ),
+    **{
+        f"keras_autoshard.distributed.{name}": "keras_autoshard.runtime.collectives"
+        for name in (
+            "all_gather",
+            "all_reduce",
+            "broadcast",
+            "copy_to_parallel",
+            "reduce_from_parallel",
+            "reduce_scatter",
+            "scatter",
+        )
+    },
+}
+
+
+def _spelled(spelling: str):
+    """The object a dotted public spelling names, attribute by attribute."""
+    value = ka
+    for part in spelling.split(".")[1:]:
+        value = getattr(value, part)
+    return value
 
 
 def test_the_public_names():
     assert ka.__all__ == PUBLIC
+    assert len(ka.__all__) <= 25
     for name in PUBLIC:
         assert getattr(ka, name) is not None
+
+
+@pytest.mark.parametrize("spelling", sorted(HOMES))
+def test_a_name_in_a_module_of_the_api_is_its_defining_modules_object(spelling):
+    name = spelling.rsplit(".", 1)[1]
+    defined = getattr(importlib.import_module(HOMES[spelling]), name)
+    assert _spelled(spelling) is defined
+
+
+def test_the_modules_of_the_api_list_what_they_hold():
+    assert ka.building.__all__ == ["build_abstract", "names_replayed_after"]
+    assert set(ka.distributed.__all__) == {
+        spelling.rsplit(".", 1)[1]
+        for spelling in HOMES
+        if spelling.startswith("keras_autoshard.distributed.")
+    }
+    with pytest.raises(AttributeError, match="no attribute 'plan'"):
+        ka.distributed.plan  # noqa: B018
 
 
 @pytest.mark.parametrize("name", sorted(ka._MOVED))
@@ -59,6 +110,17 @@ def test_a_moved_name_warns_with_its_new_spelling_and_is_the_same_object(name):
     assert caught[0].filename == __file__
     assert value is getattr(importlib.import_module(module_name), name)
     assert name not in ka.__all__
+    if now in HOMES:  # the new spelling names the same object
+        assert _spelled(now) is value
+
+
+@pytest.mark.parametrize("name", sorted(collectives_front._MOVED))
+def test_a_collective_of_the_old_module_warns_and_is_the_same_object(name):
+    now = collectives_front._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=re.escape(now)) as caught:
+        value = getattr(collectives_front, name)
+    assert caught[0].filename == __file__
+    assert value is _spelled(now)
 
 
 def test_errors_and_types_are_modules_of_the_api():

@@ -88,7 +88,7 @@ def local_bytes(sharding_plan):
 def test_the_shallower_plan_is_the_full_plans_for_its_variables_and_layers(
     full_plan,
 ):
-    paths = [v.path for v in ka.build_abstract(llama(2)).variables]
+    paths = [v.path for v in ka.building.build_abstract(llama(2)).variables]
     reduced = restricted_plan(full_plan, paths)
     assert [v.path for v in reduced.variables] == sorted(paths)
     for variable in reduced.variables:
@@ -101,7 +101,7 @@ def test_the_shallower_plan_is_the_full_plans_for_its_variables_and_layers(
 
 def test_the_planner_estimates_that_same_plan_fsdp_storage_included(full_plan):
     builder = llama(2)
-    paths = [v.path for v in ka.build_abstract(builder).variables]
+    paths = [v.path for v in ka.building.build_abstract(builder).variables]
     reduced = restricted_plan(full_plan, paths)
     # Raises unless the planner's plan has the same levers.
     estimate, _, differences = pinned_estimate(builder, reduced, tokens(), TARGET)
@@ -168,7 +168,7 @@ def test_the_estimated_step_covers_the_whole_batch_under_accumulation():
 
 def test_each_rows_target_has_its_backbones_output_shape():
     for row in real_size_rows():
-        model = ka.build_abstract(row.builder(2))
+        model = ka.building.build_abstract(row.builder(2))
         _, tokens_dim, width = model.outputs[0].shape
         target = row.sample_target().shape
         # A sequence model's token dim is free; an image model's is fixed.

@@ -15,13 +15,8 @@ import pytest
 
 from benchmarks import zoo
 from benchmarks.measure import compiled_as_planned, plan_distribution
-from keras_autoshard import (
-    MeshSpec,
-    PlanDistribution,
-    build_abstract,
-    plan,
-    rematerialize,
-)
+from keras_autoshard import MeshSpec, PlanDistribution, plan, rematerialize
+from keras_autoshard.building import build_abstract
 from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.blocks import unit_namer
 from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from keras_autoshard import MeshSpec, load_weights_sharded, save_safetensors
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.trace.keras_layout import keras_h5_keys
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys
 from tests.test_checkpoint_loading import (
     assert_same_values,
     mlp_plan,

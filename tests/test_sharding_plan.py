@@ -12,9 +12,9 @@ from keras_autoshard import (
     PlanDistribution,
     ShardingPlan,
     make_device_mesh,
-    names_replayed_after,
     plan_from_rules,
 )
+from keras_autoshard.building import names_replayed_after
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.sharding_plan import ActivationLayout
 from keras_autoshard.types import VariableSharding

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.errors import PlanError  # noqa: E402
-from keras_autoshard.planner.remote import align_plan  # noqa: E402
+from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
 from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     TorchSetupError,
     ensure_process_group,

@@ -124,7 +124,7 @@ def test_a_rank_killed_during_save_leaves_the_previous_step_restorable(
     assert done.returncode != 0  # rank 1 was SIGKILLed, the job stopped
     directory = out_dir / "ckpt"
     assert (directory / "8.partial").is_dir()  # the killed save's leftovers
-    assert ka.complete_steps(directory) == [3]
+    assert ka.ShardedCheckpoint.complete_steps(directory) == [3]
     # The 1x2 restore of that folder took its latest complete step, bit for
     # bit, and trained on.
     restored, results, _ = one_by_two

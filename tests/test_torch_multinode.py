@@ -2,7 +2,7 @@
 
 Two `torchrun --nnodes 2 --node-rank {0,1} --nproc-per-node 2` launches meet
 through a static rendezvous, as on two hosts. The workers join with
-`keras_autoshard.initialize()`, train a 2x2 (batch x model) plan: data
+`keras_autoshard.distributed.initialize()`, train a 2x2 (batch x model) plan: data
 parallel across the nodes, tensor parallel within each, every rank
 generating only its rows of the global batch. See the `multinode` mode of
 tests/torch_parity_worker.py.

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
-from keras_autoshard.runtime.torch_shards import full_numpy  # noqa: E402
+from keras_autoshard.io.torch.dtensor_shards import full_numpy  # noqa: E402
 from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import batch, build  # noqa: E402
 from tests.torch_weights_worker import compare_with_file, rows_of_rank  # noqa: E402

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
-from keras_autoshard.runtime.torch_shards import full_numpy  # noqa: E402
+from keras_autoshard.io.torch.dtensor_shards import full_numpy  # noqa: E402
 from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import adam, batch, build  # noqa: E402
 from tests.torch_weights_worker import rows_of_rank  # noqa: E402
@@ -157,8 +157,9 @@ def run_callback(mesh, x, y, out_dir) -> dict:
         callbacks=[callback],
     )
     problems = []
-    if ka.complete_steps(directory) != [4, 6]:
-        problems.append(f"complete steps {ka.complete_steps(directory)}, not [4, 6]")
+    steps = ka.ShardedCheckpoint.complete_steps(directory)
+    if steps != [4, 6]:
+        problems.append(f"complete steps {steps}, not [4, 6]")
     trained = state(tp)
     fresh = wrapped(mesh, seed=5)
     fresh.compile(optimizer=adam(), loss="mse")

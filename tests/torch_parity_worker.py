@@ -12,7 +12,7 @@ With `kill`, rank 1 SIGKILLs itself at the start of the third training step
 that step's collectives.
 
 With `multinode` (torchrun `--nnodes 2`), the job joins through
-`keras_autoshard.initialize()`, each rank generates only its own rows of the
+`keras_autoshard.distributed.initialize()`, each rank generates only its own rows of the
 global batch, and 5 Adam steps are compared with one process; the state is
 then saved with torch.distributed.checkpoint and loaded into a differently
 initialised sharded copy, which takes a sixth step. The result also records
@@ -41,7 +41,7 @@ from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh  # noqa: E402
 from keras_autoshard.apply.torch.planning import plan_for_torch  # noqa: E402
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel  # noqa: E402
-from keras_autoshard.planner.remote import align_plan  # noqa: E402
+from keras_autoshard.planner.subprocess_planning import align_plan  # noqa: E402
 from keras_autoshard.plans.rules import plan_from_rules  # noqa: E402
 from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     ensure_process_group,
@@ -260,8 +260,8 @@ def multinode_run(name, mesh_text, out_dir):
     """Two torchrun nodes: `initialize()`, own rows per rank, 5 Adam steps."""
     import keras_autoshard as ka
 
-    spec = ka.initialize()
-    again = ka.initialize()
+    spec = ka.distributed.initialize()
+    again = ka.distributed.initialize()
     ensure_process_group()
     rank = torch.distributed.get_rank()
     mesh = MeshSpec(tuple(int(s) for s in mesh_text.split("x")), ("batch", "model"))
@@ -272,7 +272,7 @@ def multinode_run(name, mesh_text, out_dir):
     device_mesh = torch_device_mesh(mesh)
     sharded = TorchShardedModel(model, plan, device_mesh)
 
-    row_slice = ka.process_batch_rows(BATCH, sharded)
+    row_slice = ka.distributed.process_batch_rows(BATCH, sharded)
     rows = range(row_slice.start, row_slice.stop)
     local, local_y = batch_rows(name, rows)
 

@@ -39,12 +39,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
-from keras_autoshard.runtime.torch_shards import (  # noqa: E402
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys  # noqa: E402
+from keras_autoshard.io.torch.dtensor_shards import (  # noqa: E402
     full_numpy,
     is_dtensor,
     local_slice_index,
 )
-from keras_autoshard.trace.keras_layout import keras_h5_keys  # noqa: E402
 from tests.torch_launch import finish_rank  # noqa: E402
 from tests.torch_parity_worker import BATCH, adam, batch, build  # noqa: E402
 

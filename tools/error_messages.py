@@ -194,7 +194,7 @@ def gpu_compiler_missing() -> None:
 def collective_outside_shard_map() -> None:
     import jax.numpy as jnp
 
-    from keras_autoshard.collectives import all_reduce
+    from keras_autoshard.distributed import all_reduce
 
     all_reduce(jnp.ones(4), axis_name="model")
 
@@ -202,7 +202,7 @@ def collective_outside_shard_map() -> None:
 def collective_without_axis_name() -> None:
     import jax.numpy as jnp
 
-    from keras_autoshard.collectives import all_gather
+    from keras_autoshard.distributed import all_gather
 
     all_gather(jnp.ones(4))
 
@@ -210,7 +210,7 @@ def collective_without_axis_name() -> None:
 def collective_wrong_type() -> None:
     import numpy as np
 
-    from keras_autoshard.collectives import all_reduce
+    from keras_autoshard.distributed import all_reduce
 
     all_reduce(np.ones(4), axis_name="model")
 
@@ -240,19 +240,19 @@ def no_complete_checkpoint() -> None:
 
 
 def cluster_arguments_incomplete() -> None:
-    from keras_autoshard import resolve_cluster
+    from keras_autoshard.distributed import resolve_cluster
 
     resolve_cluster(coordinator_address="10.0.0.1:1234", environ={})
 
 
 def cluster_variables_incomplete() -> None:
-    from keras_autoshard import resolve_cluster
+    from keras_autoshard.distributed import resolve_cluster
 
     resolve_cluster(environ={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
 
 
 def cluster_process_id_out_of_range() -> None:
-    from keras_autoshard import resolve_cluster
+    from keras_autoshard.distributed import resolve_cluster
 
     resolve_cluster("10.0.0.1:1234", num_processes=2, process_id=2, environ={})
 

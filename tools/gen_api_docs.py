@@ -2,9 +2,10 @@
 
 The public names are those of `keras_autoshard._PUBLIC_NAMES` (grouped by the
 module that defines them, in the order the package lists them), the data of
-`keras_autoshard.types`, the errors of `keras_autoshard.errors`, and
-`keras_autoshard.collectives`. Google-style docstring sections (`Args:`,
-`Returns:`, `Raises:`, `Example:`) become Markdown; public methods and
+`keras_autoshard.types`, the errors of `keras_autoshard.errors`, and the
+modules `keras_autoshard.building` and `keras_autoshard.distributed`.
+Google-style docstring sections (`Args:`, `Returns:`, `Raises:`,
+`Example:`) become Markdown; public methods and
 properties a class defines itself (not Keras overrides) are listed under it.
 
     python -m tools.gen_api_docs          # rewrite docs/api.md
@@ -26,7 +27,6 @@ from collections.abc import Iterator
 
 API_PAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "api.md")
 REGENERATE = "python -m tools.gen_api_docs"
-COLLECTIVES_MODULE = "keras_autoshard.collectives"
 LINE_LENGTH = 88
 
 SECTION = re.compile(
@@ -44,9 +44,10 @@ def public_objects() -> Iterator[tuple[str, str, object]]:
         yield f"keras_autoshard.{name}", module, getattr(package, name)
     # Modules of the API whose `__all__` is documented, each under its name.
     for module_name in (
+        "keras_autoshard.building",
+        "keras_autoshard.distributed",
         "keras_autoshard.types",
         "keras_autoshard.errors",
-        COLLECTIVES_MODULE,
     ):
         module = importlib.import_module(module_name)
         for name in module.__all__:
@@ -284,8 +285,10 @@ def render() -> str:
         "",
         "Everything importable from `keras_autoshard` (the names "
         "`keras_autoshard/__init__.py` lists), the data it returns "
-        "(`keras_autoshard.types`), its errors (`keras_autoshard.errors`) and "
-        "`keras_autoshard.collectives`. Every other module is internal and may "
+        "(`keras_autoshard.types`), its errors (`keras_autoshard.errors`), "
+        "model building (`keras_autoshard.building`) and the processes of a job "
+        "with their collectives (`keras_autoshard.distributed`). Every other "
+        "module is internal and may "
         "move. Grouped by the module that defines each name; the concepts are in "
         "[concepts.md](concepts.md), the error messages in "
         "[troubleshooting.md](troubleshooting.md).",

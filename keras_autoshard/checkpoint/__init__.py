@@ -13,8 +13,6 @@ Modules, one job each:
   `ShardedTorchCheckpoint`.
 - `steps`: which steps of a checkpoint directory are complete.
 
-Reading tensor files by hyperslab is `runtime/tensor_files.py`, filling a
-torch rank's shard `runtime/torch_shards.py`; which `.weights.h5` dataset holds
-which variable is `trace/keras_layout.py`. Errors are `CheckpointError`
-(`keras_autoshard/errors.py`).
+Tensor files, the `.weights.h5` layout and DTensor shards are `io/`, the
+stage below. Errors are `CheckpointError` (`keras_autoshard/errors.py`).
 """

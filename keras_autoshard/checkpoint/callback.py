@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from keras_autoshard.checkpoint import steps
+
 
 class _EitherBackend(type):
     """`isinstance(x, ShardedCheckpoint)` holds for either backend's callback."""
@@ -54,6 +56,9 @@ class ShardedCheckpoint(metaclass=_EitherBackend):
     keras_autoshard.restore_checkpoint(model, "ckpt")  # the latest step
     ```
     """
+
+    # The steps of a directory whose save finished, for either backend.
+    complete_steps = staticmethod(steps.complete_steps)
 
     def __new__(
         cls,

@@ -5,7 +5,7 @@ Tensors are named by Keras's weights-file keys (`layers/dense/vars/0`,
 unique even where variable paths repeat), so `load_weights_sharded` reads
 the file back into the same model on either backend, slice by slice. The
 writing (one tensor at a time, from the first process) is
-`runtime/safetensors_writer.py`.
+`io/safetensors_writer.py`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from keras_autoshard.checkpoint.sharded_load import weights_owner
-from keras_autoshard.runtime.safetensors_writer import write_safetensors
-from keras_autoshard.trace.keras_layout import weight_file_entries
+from keras_autoshard.io.keras_weights_layout import weight_file_entries
+from keras_autoshard.io.safetensors_writer import write_safetensors
 
 
 def save_safetensors(

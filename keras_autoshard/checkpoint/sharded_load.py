@@ -13,7 +13,7 @@ Names in files map to variables as follows:
 - `.weights.h5`, `.keras` and Keras sharded weights (`.weights.json` index
   of several `.weights.h5` files): Keras's own layout, dataset
   `layers/<layer>/vars/<i>` (nested layers and attributes as Keras walks
-  them), `optimizer/vars/<i>` for optimizer state; see `trace/keras_layout.py`.
+  them), `optimizer/vars/<i>` for optimizer state; see `io/keras_weights_layout.py`.
 - safetensors: a key is, in this order, translated by `name_map` when given,
   then matched against variable paths (`"dense/kernel"`, as
   `variable.path`), then against the `.weights.h5` dataset keys above, so a
@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.progress import progress_bar
-from keras_autoshard.runtime.tensor_files import (
+from keras_autoshard.io.keras_weights_layout import OPTIMIZER_GROUP, keras_h5_keys
+from keras_autoshard.io.tensor_files import (
     H5TensorFile,
     SafetensorsTensorFile,
     SliceIndex,
@@ -54,7 +54,7 @@ from keras_autoshard.runtime.tensor_files import (
     check_compatible,
     numpy_dtype,
 )
-from keras_autoshard.trace.keras_layout import OPTIMIZER_GROUP, keras_h5_keys
+from keras_autoshard.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -476,7 +476,7 @@ def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
     import keras
 
     if keras.backend.backend() == "torch":
-        from keras_autoshard.runtime.torch_shards import fill_local_shard
+        from keras_autoshard.io.torch.dtensor_shards import fill_local_shard
 
         fill_local_shard(variable, read)  # this rank's block of a DTensor
         return

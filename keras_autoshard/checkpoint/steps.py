@@ -40,9 +40,9 @@ def complete_steps(directory: str | os.PathLike) -> list[int]:
     Example:
 
     ```python
-    steps = complete_steps("ckpt")   # e.g. [100, 200]
+    steps = keras_autoshard.ShardedCheckpoint.complete_steps("ckpt")  # [100, 200]
     if steps:
-        restore_checkpoint(model, "ckpt", step=steps[-1])
+        keras_autoshard.restore_checkpoint(model, "ckpt", step=steps[-1])
     ```
     """
     directory = os.path.abspath(os.fspath(directory))  # Orbax needs absolute paths

@@ -25,8 +25,8 @@ from typing import Any
 from keras_autoshard.checkpoint.sharded_load import weights_owner
 from keras_autoshard.checkpoint.steps import TORCH_INFO_FILE
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.runtime.torch_shards import is_dtensor
-from keras_autoshard.trace.keras_layout import weight_file_entries
+from keras_autoshard.io.keras_weights_layout import weight_file_entries
+from keras_autoshard.io.torch.dtensor_shards import is_dtensor
 
 TORCH_FORMAT = "keras-autoshard/torch-dcp"
 PARTIAL_SUFFIX = ".partial"

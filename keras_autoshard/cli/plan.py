@@ -29,7 +29,8 @@ from keras_autoshard.cli.model_sources import (
     sample_targets,
 )
 from keras_autoshard.errors import PlanError
-from keras_autoshard.plans.plan_table import build_plan_table, format_bytes
+from keras_autoshard.plans.plan_table import build_plan_table
+from keras_autoshard.plans.units import format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def self_detected_cluster(skipped_names: Iterable[str] = ()) -> str | None:
 
     Private: `jax._src.clusters.ClusterEnv._cluster_types` and each
     environment's `name`, `opt_in_only_method` and `is_env_present()`.
-    If they change: `keras_autoshard.initialize()` does not join a cluster
+    If they change: `keras_autoshard.distributed.initialize()` does not join a cluster
     JAX would detect itself; explicit settings still work.
     """
     from jax._src.clusters import ClusterEnv

@@ -94,7 +94,7 @@ def initialize_rng() -> None:
     initialize` does after `jax.distributed.initialize`.
 
     Private: `keras.src.backend.jax.distribution_lib.initialize_rng`.
-    If it changes: `keras_autoshard.initialize()` fails on a multi-process
+    If it changes: `keras_autoshard.distributed.initialize()` fails on a multi-process
     job, or processes initialise variables with different seeds.
     """
     from keras.src.backend.jax.distribution_lib import initialize_rng as keras_init

@@ -14,7 +14,7 @@ from keras_autoshard.planner.cost_model import (
 )
 from keras_autoshard.planner.mesh_axis import planning_axes
 from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, MeshSpec, entry_axes, entry_text
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 
 # The reason of a variable a user rule pins.
 USER_RULE_REASON = "user rule"

@@ -68,7 +68,7 @@ from keras_autoshard.plans.estimate import (
 )
 from keras_autoshard.plans.hardware import step_time_s
 from keras_autoshard.plans.mesh import MeshSpec
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 from keras_autoshard.runtime.gpu_targets import device_memory_size
 
 LeverKind = Literal["rematerialize", "accumulate", "sequence_parallel"]

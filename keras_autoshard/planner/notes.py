@@ -18,8 +18,8 @@ from keras_autoshard.plans.estimate import (
     PlanEstimate,
     usable_budget,
 )
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.units import format_bytes
 
 if TYPE_CHECKING:
     from keras_autoshard.planner.levers import Lever, NoFit

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.graph.layer_paths import keras_layer_path, scope_rewrites
 from keras_autoshard.planner.cost_model import (
     Assignment,
     storage_cut_only,
     tensor_axes,
 )
-from keras_autoshard.planner.layer_paths import keras_layer_path, scope_rewrites
 from keras_autoshard.planner.sequence_parallel import SequenceCut, pinned_layouts
 from keras_autoshard.planner.stream_drift import StreamDrift, stream_drift
 from keras_autoshard.plans.layouts import ActivationLayout

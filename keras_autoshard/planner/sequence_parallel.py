@@ -46,8 +46,8 @@ import re
 from collections.abc import Mapping
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
+from keras_autoshard.graph.layer_paths import split_variable_path, top_level_scopes
 from keras_autoshard.planner.cost_model import Assignment, tensor_axes
-from keras_autoshard.planner.layer_paths import split_variable_path, top_level_scopes
 from keras_autoshard.planner.mesh_axis import MeshAxis
 from keras_autoshard.planner.remat import remat_families
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 
 from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
 from keras_autoshard.graph.blocks import scope_index, scope_stem
-from keras_autoshard.planner.layer_paths import split_variable_path, top_level_scopes
+from keras_autoshard.graph.layer_paths import split_variable_path, top_level_scopes
 
 # The number Keras appends to a repeated layer name: `dense_6` in `dense_6/kernel`.
 _NUMBERED = re.compile(r"_\d+(?=/|$)")

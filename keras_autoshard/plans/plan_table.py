@@ -9,19 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 from keras_autoshard.plans.mesh import entry_text
+from keras_autoshard.plans.units import format_bytes
 
 if TYPE_CHECKING:
     from keras_autoshard.plans.sharding_plan import ShardingPlan
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Human-readable byte count with binary units (`"1.50 MiB"`)."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _spec_text(spec) -> str:

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: `16GiB`, `80GB`, `512MiB`, `1073741824`."""
+"""Byte sizes as people write them: read (`16GiB`, `80GB`, `512MiB`,
+`1073741824`) and written (`1.50 MiB`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,29 @@ def byte_size(value: int | float | str) -> int:
 def optional_byte_size(value: int | float | str | None) -> int | None:
     """`byte_size(value)`, or `None` for `None` (no budget)."""
     return None if value is None else byte_size(value)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """A byte count as people read it, in binary units.
+
+    Args:
+        num_bytes: Bytes.
+
+    Returns:
+        Whole bytes below 1 KiB, else two decimals of the largest unit up to
+        TiB.
+
+    Example:
+
+    ```python
+    format_bytes(1536)       # '1.50 KiB'
+    format_bytes(2**30 * 3)  # '3.00 GiB'
+    format_bytes(12)         # '12 B'
+    ```
+    """
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

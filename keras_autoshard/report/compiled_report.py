@@ -16,8 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec
+from keras_autoshard.plans.units import format_bytes
 from keras_autoshard.report.hlo.collectives import CollectiveOp, summarize_collectives
 
 

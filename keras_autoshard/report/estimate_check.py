@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from rich.table import Table
 
 from keras_autoshard.plans.mesh import entry_axes
-from keras_autoshard.plans.plan_table import format_bytes
+from keras_autoshard.plans.units import format_bytes
 from keras_autoshard.report.compiled_report import CompiledReport, CompiledStep
 
 DEFAULT_TOLERANCE = 0.10

@@ -22,8 +22,8 @@ from collections import defaultdict
 
 from keras_autoshard.plans.estimate import PlanEstimate
 from keras_autoshard.plans.mesh import entry_text, spec_axes
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan, VariableSharding
+from keras_autoshard.plans.units import format_bytes
 
 MAX_LAYOUT_PANELS = 8
 _LAYOUT_COLUMNS = 4

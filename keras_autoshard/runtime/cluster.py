@@ -125,7 +125,9 @@ def initialize(
 
     ```python
     # On every host (or under srun / torchrun, with no arguments at all):
-    keras_autoshard.initialize("10.0.0.1:1234", num_processes=2, process_id=0)
+    keras_autoshard.distributed.initialize(
+        "10.0.0.1:1234", num_processes=2, process_id=0
+    )
     dist = keras_autoshard.AutoShardDistribution()
     with dist.scope():
         model = build_model()
@@ -177,7 +179,7 @@ def process_batch_rows(global_batch_size: int, distribution=None) -> slice:
     Example:
 
     ```python
-    rows = keras_autoshard.process_batch_rows(64, dist)
+    rows = keras_autoshard.distributed.process_batch_rows(64, dist)
     local_x = np.concatenate([x[i : i + 64][rows] for i in range(0, len(x), 64)])
     model.fit(local_x, local_y, batch_size=rows.stop - rows.start, shuffle=False)
     ```

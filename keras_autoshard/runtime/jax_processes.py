@@ -67,8 +67,8 @@ def start_jax_distributed(
         where = spec.describe() if spec else "the detected cluster"
         raise ClusterError(
             f"Could not join the JAX cluster as {where}: {error}. "
-            "Call keras_autoshard.initialize() first in the script, before any "
-            "JAX array or Keras model is created, on every process."
+            "Call keras_autoshard.distributed.initialize() first in the script, "
+            "before any JAX array or Keras model is created, on every process."
         ) from error
     keras_private.initialize_rng()
     logger.info(

@@ -158,8 +158,8 @@ def build_abstract(builder: Callable[[], keras.Model]) -> keras.Model:
                 "optimizer's counter: a KerasHub task's constructor compiles "
                 "one), which an abstract build cannot hold. Build the backbone "
                 "abstractly and the task around it, then plan the task: "
-                "plan(Task(backbone=keras_autoshard.build_abstract(make_backbone), "
-                "preprocessor=None), ...)."
+                "plan(Task(backbone=keras_autoshard.building.build_abstract("
+                "make_backbone), preprocessor=None), ...)."
             ) from error
     if not isinstance(model, keras.Model):
         raise TypeError(

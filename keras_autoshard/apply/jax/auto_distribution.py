@@ -22,7 +22,6 @@ import keras
 from keras.distribution import TensorLayout
 
 from keras_autoshard.apply.auto_distribution import AutoShardDistribution
-from keras_autoshard.apply.common import slot_owner, slot_prefix
 from keras_autoshard.apply.jax.device_mesh import default_mesh_shape, make_device_mesh
 from keras_autoshard.apply.jax.plan_distribution import (
     PlanDistribution,
@@ -32,6 +31,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
     check_batch_sizes,
     trainer_call_asking,
 )
+from keras_autoshard.apply.optimizer_slots import slot_owner, slot_prefix
 from keras_autoshard.apply.remat import rematerialize
 from keras_autoshard.compat import keras_private
 from keras_autoshard.compat.keras_layouts import tensor_layout

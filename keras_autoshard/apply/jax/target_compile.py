@@ -34,8 +34,8 @@ from keras_autoshard.apply.remat import rematerialize
 from keras_autoshard.compat import keras_private
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.hardware import HardwareProfile, hardware_profile
-from keras_autoshard.plans.plan_table import format_bytes
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
+from keras_autoshard.plans.units import format_bytes
 from keras_autoshard.report.compiled_program import step_report
 from keras_autoshard.report.compiled_report import (
     CompiledStep,

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 from keras.distribution import TensorLayout
 
-from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.first_batch import first_batch
 from keras_autoshard.apply.jax.auto_distribution import (
     JaxAutoShardDistribution,
     move_variable,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import keras
 
-from keras_autoshard.planner.remote import (
+from keras_autoshard.planner.subprocess_planning import (
     plan_from_worker_result,
     planning_request,
     run_plan_worker,

@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.apply.common import first_batch
+from keras_autoshard.apply.first_batch import first_batch
 from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import (
     DATA_AXIS,

@@ -1,7 +1,7 @@
 """Planning for the torch backend: the JAX planner, once, on rank 0.
 
 Rank 0 runs the JAX planning subprocess of
-`keras_autoshard.planner.remote`; the plan reaches the other
+`keras_autoshard.planner.subprocess_planning`; the plan reaches the other
 ranks through torchrun's rendezvous store, and each rank aligns it with its
 own model's variable paths.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.planner.remote import (
+from keras_autoshard.planner.subprocess_planning import (
     PLANNING_TIMEOUT_S,
     plan_from_worker_result,
     planning_request,

@@ -32,8 +32,8 @@ from keras_autoshard.apply.torch.sharded_state import (
     shard_model_variables,
     shard_optimizer_variables,
 )
-from keras_autoshard.apply.torch.weights_file import load_weights_local
 from keras_autoshard.compat import keras_private
+from keras_autoshard.io.torch.weights_h5 import load_weights_local
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import keras
 
-from keras_autoshard.apply.common import slot_owner, slot_prefix
+from keras_autoshard.apply.optimizer_slots import slot_owner, slot_prefix
 from keras_autoshard.apply.torch.abstract_build import (
     initial_value,
     is_materialised,
@@ -21,8 +21,8 @@ from keras_autoshard.apply.torch.abstract_build import (
 )
 from keras_autoshard.apply.torch.dtensor_layout import placements_for
 from keras_autoshard.compat import keras_private
+from keras_autoshard.io.torch.dtensor_shards import local_slice_index
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
-from keras_autoshard.runtime.torch_shards import local_slice_index
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 from keras import tree
 
-from keras_autoshard.apply.common import first_batch_of
+from keras_autoshard.apply.first_batch import first_batch_of
 from keras_autoshard.apply.tensor_parallel import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import TensorParallelError
 from keras_autoshard.apply.torch.abstract_build import (
@@ -22,21 +22,21 @@ from keras_autoshard.apply.torch.abstract_build import (
 from keras_autoshard.apply.torch.dtensor_layout import torch_device_mesh
 from keras_autoshard.apply.torch.planning import plan_for_torch
 from keras_autoshard.apply.torch.sharded_model import TorchShardedModel
-from keras_autoshard.apply.torch.weights_file import (
+from keras_autoshard.compat import keras_private
+from keras_autoshard.io.keras_weights_layout import weight_file_entries
+from keras_autoshard.io.safetensors_writer import (
+    SAFETENSORS_SUFFIX,
+    write_safetensors,
+)
+from keras_autoshard.io.torch.weights_h5 import (
     load_weights_local,
     save_weights_gathered,
 )
-from keras_autoshard.compat import keras_private
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
-from keras_autoshard.runtime.safetensors_writer import (
-    SAFETENSORS_SUFFIX,
-    write_safetensors,
-)
 from keras_autoshard.runtime.torch_processes import ensure_process_group
-from keras_autoshard.trace.keras_layout import weight_file_entries
 
 
 @keras.saving.register_keras_serializable(package="keras_autoshard")

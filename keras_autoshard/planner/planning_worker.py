@@ -3,7 +3,7 @@
 Reads a request (JSON) on stdin, prints
 `{"plan": ..., "paths": [...]}` or `{"error": ...}` as the last stdout line.
 
-Run as `python -m keras_autoshard.planner.remote_worker` with
+Run as `python -m keras_autoshard.planner.planning_worker` with
 `KERAS_BACKEND=jax`; the parent sets the simulated device count.
 """
 

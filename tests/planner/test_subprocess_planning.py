@@ -8,7 +8,7 @@ import numpy as np
 
 import keras_autoshard as ka
 from keras_autoshard import MeshSpec
-from keras_autoshard.planner.remote import align_plan, planning_request
+from keras_autoshard.planner.subprocess_planning import align_plan, planning_request
 from keras_autoshard.plans.sharding_plan import ActivationLayout
 
 

@@ -3,11 +3,11 @@
 Keras runs one backend per process, and the planner traces with JAX. So a
 model built under PyTorch or TensorFlow is serialised
 (`keras.saving.serialize_keras_object`), a `KERAS_BACKEND=jax` subprocess
-(`keras_autoshard.planner.remote_worker`) rebuilds it abstractly (no weights)
-and plans it, and the plan (JSON) comes back. It is then aligned with the
-local model's variables by position and shape, since auto-numbered layer
-names may differ between processes. The result is the plan JAX itself would
-make for the same model and mesh. The backends decide who runs the
+(`keras_autoshard.planner.planning_worker`) rebuilds it abstractly (no
+weights) and plans it, and the plan (JSON) comes back. It is then aligned
+with the local model's variables by position and shape, since auto-numbered
+layer names may differ between processes. The result is the plan JAX itself
+would make for the same model and mesh. The backends decide who runs the
 subprocess (under torchrun: rank 0, the plan shared through the rendezvous
 store).
 """
@@ -100,7 +100,7 @@ def run_plan_worker(request: dict[str, Any]) -> dict[str, Any]:
     env["JAX_PLATFORMS"] = "cpu"
     try:
         completed = subprocess.run(
-            [sys.executable, "-m", "keras_autoshard.planner.remote_worker"],
+            [sys.executable, "-m", "keras_autoshard.planner.planning_worker"],
             input=json.dumps(request),
             capture_output=True,
             text=True,

@@ -1,11 +1,11 @@
-"""The JAX side of planning in a subprocess (`planner/remote_worker.py`),
+"""The JAX side of planning in a subprocess (`planner/planning_worker.py`),
 answered in this process."""
 
 import keras
 import numpy as np
 
-from keras_autoshard.planner.remote import planning_request
-from keras_autoshard.planner.remote_worker import answer
+from keras_autoshard.planner.planning_worker import answer
+from keras_autoshard.planner.subprocess_planning import planning_request
 from keras_autoshard.plans.sharding_plan import MeshSpec, ShardingPlan
 from tests.planner.small_models import BATCH, TOKENS
 

@@ -5,7 +5,7 @@ Saving: every rank walks the variables in Keras's saving order and gathers
 one whole tensor at a time (a collective all ranks enter); rank 0 alone writes
 it, into a temporary file renamed over the target once complete, so the
 other ranks never touch the file and a failed save leaves no half-written
-file at the path. The layout is Keras's own (`trace/keras_layout.py`), so
+file at the path. The layout is Keras's own (`io/keras_weights_layout.py`), so
 plain Keras loads the file on one process, with any backend.
 
 Loading: each rank reads only the block of every dataset that its shard
@@ -20,14 +20,14 @@ import h5py
 import numpy as np
 
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.runtime.tensor_files import (
+from keras_autoshard.io.keras_weights_layout import keras_h5_keys
+from keras_autoshard.io.tensor_files import (
     H5TensorFile,
     SafetensorsTensorFile,
     check_compatible,
 )
+from keras_autoshard.io.torch.dtensor_shards import fill_local_shard, full_numpy
 from keras_autoshard.runtime.torch_processes import failed_on_any_rank
-from keras_autoshard.runtime.torch_shards import fill_local_shard, full_numpy
-from keras_autoshard.trace.keras_layout import keras_h5_keys
 
 WEIGHTS_SUFFIX = ".weights.h5"
 

@@ -1,6 +1,6 @@
-"""Trace scopes and Keras layer paths (`planner/layer_paths.py`)."""
+"""Trace scopes and Keras layer paths (`graph/layer_paths.py`)."""
 
-from keras_autoshard.planner.layer_paths import (
+from keras_autoshard.graph.layer_paths import (
     keras_layer_path,
     scope_rewrites,
     split_variable_path,

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from keras_autoshard.errors import CheckpointError
-from keras_autoshard.runtime.torch_shards import full_numpy, is_dtensor
+from keras_autoshard.io.torch.dtensor_shards import full_numpy, is_dtensor
 
 SAFETENSORS_SUFFIX = ".safetensors"
 _DTYPE_CODES = {
