@@ -24,7 +24,7 @@ REDUCTIONS = frozenset(
 # an element of that output, rather than compute it again in the backward
 # pass's fusion from the values it was made of (its cost model does not
 # duplicate them). Read off XLA:GPU's buffers by
-# `python -m benchmarks.fusion_probe` (jax 0.10.2, H100 target, 2 minutes):
+# `python -m benchmarks.fusion_probe` (H100 target):
 # a residual stack whose layers compute `x * f(x)` keeps one more buffer of
 # f(x) per layer for these (lgamma 3 to 5 more, counted as one); for erf,
 # exp, logistic, log, expm1, tan, sinh, asinh, sqrt, rsqrt, division and

@@ -176,8 +176,8 @@ class LinearProgram:
             if result.x is not None or not _stopped_by_time(result):
                 break
             # Out of time with no solution proves nothing about feasibility
-            # (Llama-2-70B on 16x16 solves in 16 s alone and stopped at 20 s
-            # on a loaded machine, which then read as "nothing fits").
+            # (the same program solves in time on a less loaded machine):
+            # retry with a longer limit before saying so.
             if limit >= time_limit_s * TIME_LIMIT_GROWTH**TIME_LIMIT_RETRIES:
                 raise SolverTimeLimitError(
                     f"The exact solver found no plan within {limit:.3g} s "
