@@ -37,11 +37,11 @@ def main() -> None:
     import keras_hub
     import numpy as np
 
-    from benchmarks.markdown import short_levers, write_section
     from keras_autoshard import MeshSpec
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.plans.estimate import HEADROOM
     from keras_autoshard.plans.plan_table import format_bytes
+    from keras_autoshard.testing.markdown import short_levers, write_section
 
     def build():
         return keras_hub.models.LlamaBackbone(

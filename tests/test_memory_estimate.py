@@ -16,8 +16,6 @@ import keras
 import pytest
 from keras import layers
 
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
@@ -33,6 +31,8 @@ from keras_autoshard.report.compiled_program import (
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 from keras_autoshard.report.hlo.schedules import schedule_peaks
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned
 from keras_autoshard.trace.tracer import trace_model
 
 MESHES = [(2, 4), (1, 8), (8, 1)]

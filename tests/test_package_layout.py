@@ -16,7 +16,11 @@ Stage order (a module may import its own stage and earlier ones only):
     apply                                 (7: ShardingPlan → running model;
                                               `TensorParallel.inspect` reports)
     checkpoint                            (8: reads and writes applied models)
-    cli, __main__                         (9: the command line)
+    testing                               (9: model zoo, plan → compile →
+                                              inspect, reference plans: what
+                                              tests, benchmarks and the command
+                                              line check plans with)
+    cli, __main__                         (10: the command line)
 
 `keras_autoshard/__init__.py` and `keras_autoshard/collectives.py` only name
 the public API (lazily / by re-export) and are left out of the order.
@@ -49,8 +53,9 @@ STAGES = {
     "report": 6,
     "apply": 7,
     "checkpoint": 8,
-    "cli": 9,
-    "__main__": 9,
+    "testing": 9,
+    "cli": 10,
+    "__main__": 10,
 }
 PUBLIC_FRONTS = {"keras_autoshard", "keras_autoshard.collectives"}
 MAX_MODULE_LINES = 600
