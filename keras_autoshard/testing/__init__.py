@@ -14,5 +14,5 @@ plans with: a stage above the pipeline that uses it, never used by it.
   the checks and models of the coverage, MoE and real-size measurements.
 - `markdown`: named sections of BENCHMARKS.md and Markdown tables.
 
-Nothing here is public API; the package's stages never import it.
+Nothing here is public API; only the command line, above it, imports it.
 """
