@@ -31,7 +31,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from benchmarks.markdown import markdown_table, write_section
+from keras_autoshard.testing.markdown import markdown_table, write_section
 
 SECTION_NAME = "checkpoint-loading"
 DEVICE_COUNT = 8

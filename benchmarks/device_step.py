@@ -479,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         section = render(results)
         print(section)
         if args.output:
-            from benchmarks.markdown import write_section
+            from keras_autoshard.testing.markdown import write_section
 
             write_section(args.output, SECTION_NAME, section)
 

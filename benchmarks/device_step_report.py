@@ -57,8 +57,8 @@ def render(results: Sequence[dict[str, Any]]) -> str:
 
 
 def _run_lines(result: dict[str, Any]) -> list[str]:
-    from benchmarks.markdown import markdown_table
     from keras_autoshard.plans.units import format_bytes
+    from keras_autoshard.testing.markdown import markdown_table
 
     model = result["model"]
     planned_here = "error" not in result["plan"]

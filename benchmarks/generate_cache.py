@@ -35,9 +35,9 @@ simulate_devices(8)
 import argparse  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
-from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.report import machine_description  # noqa: E402
 from keras_autoshard.plans.units import format_bytes  # noqa: E402
+from keras_autoshard.testing.markdown import markdown_table, write_section  # noqa: E402
 
 SECTION_NAME = "generate"
 MODELS = ("gpt2", "opt", "gemma", "llama")
@@ -47,7 +47,7 @@ COMMAND = "python -m benchmarks.generate_cache --output BENCHMARKS.md"
 
 def measure(name: str, shape: tuple[int, int]) -> dict:
     """One model's generate step on one mesh."""
-    from benchmarks.measure import (
+    from keras_autoshard.testing.generate import (
         cache_buffer_bytes,
         executable_peak_bytes,
         planned_generate,

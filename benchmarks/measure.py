@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import re
 import statistics
 import time
 from typing import Any
@@ -15,9 +13,9 @@ import numpy as np
 from keras.src.distribution.distribution_lib import Distribution
 
 from benchmarks.models import ModelCase
-from benchmarks.strategies import Strategy, StrategyNotApplicable
+from benchmarks.strategies import Strategy
 from keras_autoshard import MeshSpec, inspect_compiled
-from keras_autoshard.building import names_replayed_after
+from keras_autoshard.testing.reference_plans import StrategyNotApplicable
 
 WARMUP_STEPS = 2
 LEARNING_RATE = 1e-3
@@ -194,148 +192,3 @@ def _scope(distribution: Distribution | None):
     if distribution is None:
         return contextlib.nullcontext()
     return distribution.scope()
-
-
-def compiled_report(build, distribution: Distribution, x, y):
-    """Build `build()` under `distribution`, compile an MSE/Adam train step on
-    `(x, y)` and return what XLA made of it (`inspect_compiled`, the train
-    step only)."""
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        model.compile(optimizer="adam", loss="mse")
-        return inspect_compiled(model, distribution, (x, y), with_forward_step=False)
-
-
-def plan_distribution(sharding_plan):
-    """A `PlanDistribution` of `sharding_plan` on the first devices (as many
-    as its mesh has: a 1x4 plan on 8 simulated devices takes 4)."""
-    from keras_autoshard import PlanDistribution, make_device_mesh
-
-    devices = keras.distribution.list_devices()[: sharding_plan.mesh.device_count]
-    return PlanDistribution(
-        sharding_plan, make_device_mesh(sharding_plan.mesh, devices)
-    )
-
-
-def compiled_as_planned(sharding_plan, build, x, y, compiler_options=None):
-    """The train step of `build()` compiled as `sharding_plan` says: its
-    layout (on the first devices, `plan_distribution`), its rematerialized
-    layers, its micro-batches of `(x, y)` with `gradient_accumulation_steps`
-    on Adam (`compile_as_planned`); the `CompiledReport` (train step only)."""
-    from keras_autoshard.apply.as_planned import compile_as_planned, first_micro_batch
-
-    distribution = plan_distribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        model = build()
-        compile_as_planned(model, sharding_plan)
-    return inspect_compiled(
-        model,
-        distribution,
-        first_micro_batch(sharding_plan, (x, y)),
-        compiler_options=compiler_options,
-        with_forward_step=False,
-    )
-
-
-def relative_error(actual, expected, scale_floor: float = 0.0) -> float:
-    """max |actual - expected| / max(max |expected|, scale_floor).
-
-    `scale_floor` keeps tensors that are analytically zero (the gradient of an
-    attention key bias, say) from turning rounding noise into a huge ratio.
-    """
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    scale = max(float(np.max(np.abs(expected))) if expected.size else 0.0, scale_floor)
-    diff = float(np.max(np.abs(actual - expected))) if expected.size else 0.0
-    return diff / scale if scale > 0 else diff
-
-
-# The KerasHub task that generates with each zoo backbone.
-CAUSAL_LM = {
-    "gpt2": "GPT2CausalLM",
-    "opt": "OPTCausalLM",
-    "gemma": "GemmaCausalLM",
-    "llama": "LlamaCausalLM",
-}
-
-
-def compiled_generate_step(task, distribution, x):
-    """Compile `task.generate_step` on the token batch `x` as KerasHub's JAX
-    `generate` jits it (variables passed as state through a
-    `StatelessScope`, the batch laid out by `distribution`), without
-    running it."""
-    import itertools
-
-    import jax
-
-    def generate(inputs, state):
-        mapping = itertools.chain(
-            zip(task.trainable_variables, state[0]),
-            zip(task.non_trainable_variables, state[1]),
-        )
-        with keras.StatelessScope(state_mapping=mapping):
-            return task.generate_step(inputs, None)
-
-    state = (
-        [v.value for v in task.trainable_variables],
-        [v.value for v in task.non_trainable_variables],
-    )
-    inputs = {
-        name: jax.device_put(
-            value, distribution.get_data_layout(value.shape).backend_layout
-        )
-        for name, value in x.items()
-    }
-    return jax.jit(generate).lower(inputs, state).compile()
-
-
-def executable_peak_bytes(compiled) -> int:
-    """What a compiled executable needs at its peak per device, from XLA's
-    memory analysis: arguments + outputs + temporaries − aliased."""
-    memory = compiled.memory_analysis()
-    return (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        + memory.temp_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
-
-
-# A float32 generation cache of the zoo's batches in optimized HLO:
-# (batch, layers, key and value, tokens = 64, heads, head dim).
-_CACHE_BUFFER = re.compile(r"f32\[(\d+),(\d+),2,64,(\d+),(\d+)\]")
-
-
-def cache_buffer_bytes(hlo_text: str) -> set[int]:
-    """Bytes per device of each distinct buffer of the whole cache (every
-    layer; a decode step's one-layer slices are left out) in an optimized
-    HLO (empty when there is none)."""
-    shapes = [tuple(int(d) for d in dims) for dims in _CACHE_BUFFER.findall(hlo_text)]
-    layers = max((shape[1] for shape in shapes), default=0)
-    return {4 * math.prod(shape) * 2 * 64 for shape in shapes if shape[1] == layers}
-
-
-def planned_generate(name: str, shape: tuple[int, ...]):
-    """Plan the zoo backbone `name`'s KerasHub CausalLM for `job="generate"`
-    on a (batch, model) mesh of `shape` (the task built around an abstract
-    backbone), then compile its `generate_step` as planned on the zoo's
-    token batch; `(plan, compiled)`."""
-    import keras_hub
-
-    from benchmarks import zoo
-    from keras_autoshard import plan
-    from keras_autoshard.building import build_abstract
-
-    task_class = getattr(keras_hub.models, CAUSAL_LM[name])
-    build = getattr(zoo, name)
-    x = zoo.token_inputs(1024)
-    abstract = task_class(backbone=build_abstract(build), preprocessor=None)
-    sharding_plan = plan(
-        abstract, MeshSpec(shape, ("batch", "model")), x, job="generate"
-    )
-    distribution = plan_distribution(sharding_plan)
-    with distribution.scope(), names_replayed_after():
-        task = task_class(backbone=build(), preprocessor=None)
-        task.compile(sampler="greedy")
-        compiled = compiled_generate_step(task, distribution, x)
-    return sharding_plan, compiled

@@ -50,14 +50,14 @@ import time  # noqa: E402
 from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.markdown import (  # noqa: E402
+from benchmarks.report import machine_description  # noqa: E402
+from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
+from keras_autoshard.plans.units import format_bytes  # noqa: E402
+from keras_autoshard.testing.markdown import (  # noqa: E402
     markdown_table,
     short_levers,
     write_section,
 )
-from benchmarks.report import machine_description  # noqa: E402
-from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
-from keras_autoshard.plans.units import format_bytes  # noqa: E402
 
 SECTION_NAME = "memory-truth"
 MESHES = ((2, 4), (1, 8), (8, 1))
@@ -188,24 +188,23 @@ class TruthCase:
         shape = self.sharding_plan.mesh.shape
         return f"{shape[0]}x{shape[1]}"
 
-    def built(self):
-        """The model built and compiled as the plan says (its layout on
-        the first devices, rematerialized layers, Adam accumulating over its
-        micro-batches), its distribution and the batch of one compiled step."""
-        from benchmarks import zoo
-        from benchmarks.measure import plan_distribution
-        from keras_autoshard.apply.as_planned import (
-            compile_as_planned,
-            first_micro_batch,
-        )
-        from keras_autoshard.building import names_replayed_after
+    def compiled(self):
+        """The train step compiled as the plan says (`compiled_as_planned`)
+        on random targets, on XLA:CPU scheduled for memory with its
+        optimization barriers kept (`MEMORY_SCHEDULE_ON_CPU`), as
+        accelerators compile."""
+        from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
+        from keras_autoshard.testing import zoo
+        from keras_autoshard.testing.compiled import compiled_as_planned
 
         y = zoo.random_targets(self.build, self.x)
-        distribution = plan_distribution(self.sharding_plan)
-        with distribution.scope(), names_replayed_after():
-            model = self.build()
-            compile_as_planned(model, self.sharding_plan)
-        return model, distribution, first_micro_batch(self.sharding_plan, (self.x, y))
+        return compiled_as_planned(
+            self.sharding_plan,
+            self.build,
+            self.x,
+            y,
+            compiler_options=MEMORY_SCHEDULE_ON_CPU,
+        )
 
     def row(self) -> dict:
         """What the table shows but the compiled figures."""
@@ -245,22 +244,14 @@ def truth_cases() -> Iterator[TruthCase]:
 
 
 def zoo_rows() -> list[dict]:
-    """Estimate against compiled for every case of `truth_cases`: each train
-    step compiled on XLA:CPU scheduled for memory with its optimization
-    barriers kept (`MEMORY_SCHEDULE_ON_CPU`), as accelerators compile."""
-    from keras_autoshard.report.compiled_program import (
-        MEMORY_SCHEDULE_ON_CPU,
-        inspect_compiled,
-    )
+    """Estimate against compiled for every case of `truth_cases`
+    (`TruthCase.compiled`)."""
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
     from keras_autoshard.report.hlo.schedules import schedule_peaks
 
     rows = []
     for case in truth_cases():
-        model, distribution, batch = case.built()
-        report = inspect_compiled(
-            model, distribution, batch, MEMORY_SCHEDULE_ON_CPU, with_forward_step=False
-        )
+        report = case.compiled()
         row = case.row()
         row["compiled_peak"] = compiled_peak_bytes(report.train_step.memory)
         row["compiled_communication"] = report.train_step.operand_bytes()
@@ -283,7 +274,7 @@ def _policy(name: str):
 def free_settings() -> Iterator[TruthSetting]:
     """Every zoo model planned with no budget on each mesh (float32), and
     on 2x4 under `mixed_bfloat16`."""
-    from benchmarks import zoo
+    from keras_autoshard.testing import zoo
 
     cases = [("float32", shape) for shape in MESHES] + [("mixed_bfloat16", (2, 4))]
     for policy, shape in cases:
@@ -304,7 +295,7 @@ def remat_settings() -> Iterator[TruthSetting]:
     """Plans that rematerialize: the planner's own under budgets that need
     it (trained as the plan says, accumulation included), then every layer
     rematerialized on each mesh and once under `mixed_bfloat16`."""
-    from benchmarks import zoo
+    from keras_autoshard.testing import zoo
 
     for name, share in REMAT_CASES:
         build, batch = zoo.ZOO[name]
@@ -330,7 +321,7 @@ def remat_settings() -> Iterator[TruthSetting]:
 def lora_settings() -> Iterator[TruthSetting]:
     """A Gemma-shaped backbone with `enable_lora(rank=4)` on each mesh:
     optimizer state for the LoRA kernels only."""
-    from benchmarks import zoo
+    from keras_autoshard.testing import zoo
 
     def build():
         model = zoo.gemma()

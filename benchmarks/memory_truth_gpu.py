@@ -106,8 +106,8 @@ def layout_key(sharding_plan) -> str:
 
 def _compiled(build, sharding_plan, x) -> dict[str, Any]:
     """Compile one plan's train step for the target's GPUs: its figures."""
-    from benchmarks import zoo
     from keras_autoshard import compile_for_target
+    from keras_autoshard.testing import zoo
 
     y = zoo.random_targets(build, x)
     result = compile_for_target(build, sharding_plan, (x, y), TARGET)
@@ -122,8 +122,8 @@ def _compiled(build, sharding_plan, x) -> dict[str, Any]:
 def zoo_row(index: int, models: Sequence[str] | None = None) -> dict[str, Any]:
     """Plan the `index`-th selected setting for the GPU and compile it; a
     budget no plan fits gives a row with the planner's error instead."""
-    from benchmarks.markdown import short_levers
     from keras_autoshard.errors import PlanError
+    from keras_autoshard.testing.markdown import short_levers
 
     setting = selected_settings(models)[index]
     row: dict[str, Any] = {
@@ -155,9 +155,9 @@ def megatron_row(name: str, mesh_shape: tuple[int, int]) -> dict[str, Any]:
     """The hand-written Megatron plan of a zoo transformer compiled for the
     GPUs; not compiled where it is the planner's own layout (its free GPU
     plan, planned here again: the same plan as its zoo row)."""
-    from benchmarks import zoo
-    from benchmarks.reference_rules import keras_hub_megatron_plan
     from keras_autoshard import MeshSpec, plan
+    from keras_autoshard.testing import zoo
+    from keras_autoshard.testing.reference_plans import keras_hub_megatron_plan
     from keras_autoshard.trace.tracer import build_abstract
 
     build, batch = zoo.ZOO[name]
@@ -278,8 +278,8 @@ def _unplanned_cells(row: dict) -> str:
 
 def zoo_section(rows: Sequence[dict]) -> str:
     """Table 1 and its summary (Markdown)."""
-    from benchmarks.markdown import markdown_table
     from keras_autoshard.plans.units import format_bytes
+    from keras_autoshard.testing.markdown import markdown_table
 
     compiled = [r for r in rows if "plan_error" not in r]
     groups = _axis_groups(compiled)
@@ -351,8 +351,8 @@ def _pairs(zoo_rows: Sequence[dict], megatron_rows: Sequence[dict]) -> list:
 
 def megatron_section(zoo_rows: Sequence[dict], megatron_rows: Sequence[dict]) -> str:
     """Table 2 and its summary (Markdown)."""
-    from benchmarks.markdown import markdown_table
     from keras_autoshard.plans.units import format_bytes
+    from keras_autoshard.testing.markdown import markdown_table
 
     pairs = _pairs(zoo_rows, megatron_rows)
     groups = _axis_groups(row for pair in pairs for row in pair)
@@ -451,8 +451,9 @@ def render(
             "hand-written Megatron layouts\n\n"
             "Each KerasHub transformer of the zoo (float32): the planner's "
             "plan without a budget (its row above) and the hand-written "
-            "Megatron plan (`benchmarks/reference_rules.py`: column-parallel "
-            "Q/K/V and MLP-up, row-parallel attention output and MLP-down, "
+            "Megatron plan (`keras_autoshard/testing/reference_plans.py`: "
+            "column-parallel Q/K/V and MLP-up, row-parallel attention output "
+            "and MLP-down, "
             "vocabulary-parallel embedding where the axis divides the "
             "vocabulary, data parallel over `batch`), both compiled as above. "
             "XLA:CPU forms no reduce-scatter, so collective bytes compiled "
@@ -480,8 +481,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from benchmarks.markdown import write_section
     from benchmarks.real_size_report import environment_description
+    from keras_autoshard.testing.markdown import write_section
 
     args = parse_args(argv)
     start = time.perf_counter()

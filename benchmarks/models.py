@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 
-from benchmarks import zoo
-from benchmarks.strategies import DATA_AXIS, handwritten_plan
 from keras_autoshard import MeshSpec
+from keras_autoshard.plans.mesh import DATA_AXIS
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.reference_plans import handwritten_plan
 
 FP32_BYTES = 4
 BATCH = 8

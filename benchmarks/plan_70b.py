@@ -37,12 +37,12 @@ def main() -> None:
     import keras_hub
     import numpy as np
 
-    from benchmarks.markdown import short_levers, write_section
     from keras_autoshard import MeshSpec
     from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
     from keras_autoshard.plans.estimate import HEADROOM
     from keras_autoshard.plans.units import format_bytes
+    from keras_autoshard.testing.markdown import short_levers, write_section
 
     def build():
         return keras_hub.models.LlamaBackbone(

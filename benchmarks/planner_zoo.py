@@ -7,9 +7,10 @@ python -m benchmarks.planner_zoo [--quick] [--output BENCHMARKS.md]
     [--models gpt2 llama] [--meshes 2x4 1x8] [--json PATH]
 ```
 
-For every KerasHub backbone of the acceptance zoo (`benchmarks/zoo.py`: small
-configs, no downloads) and every mesh, each strategy is built, compiled,
-inspected and timed on 8 simulated host devices in this one process:
+For every KerasHub backbone of the acceptance zoo
+(`keras_autoshard/testing/zoo.py`: small configs, no downloads) and every
+mesh, each strategy is built, compiled, inspected and timed on 8 simulated
+host devices in this one process:
 `auto` (`AutoShardDistribution`, no budget), `auto_budget` (a whole-peak
 budget leaving the state 1.05 × (parameter + Adam bytes) ÷ devices), `handwritten` (the
 Megatron plan of `keras_hub_megatron_plan`), `keras_hub_map` (the
@@ -43,23 +44,22 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
-from benchmarks import zoo  # noqa: E402
-from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.measure import CaseResult, Measurement, measure_case  # noqa: E402
 from benchmarks.models import FP32_BYTES, MegatronMinimum, ModelCase  # noqa: E402
 from benchmarks.report import machine_description, versions  # noqa: E402
-from benchmarks.strategies import (  # noqa: E402
-    DATA_AXIS,
-    MODEL_AXIS,
-    STRATEGIES,
-    StrategyNotApplicable,
-    handwritten_plan,
-)
+from benchmarks.strategies import STRATEGIES  # noqa: E402
 from keras_autoshard import AutoShardDistribution, MeshSpec, plan  # noqa: E402
 from keras_autoshard.building import names_replayed_after  # noqa: E402
 from keras_autoshard.errors import PlanError  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
+from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS  # noqa: E402
 from keras_autoshard.plans.units import format_bytes  # noqa: E402
+from keras_autoshard.testing import zoo  # noqa: E402
+from keras_autoshard.testing.markdown import markdown_table, write_section  # noqa: E402
+from keras_autoshard.testing.reference_plans import (  # noqa: E402
+    StrategyNotApplicable,
+    handwritten_plan,
+)
 
 SECTION_NAME = "planner-zoo"
 MODEL_NAMES = ("gpt2", "bert", "opt", "gemma", "llama")
@@ -222,9 +222,10 @@ def render(rows: Sequence[ZooRow], timed_steps: int, command: str) -> str:
         f"Generated {datetime.date.today().isoformat()} on "
         f"{machine_description()}; {versions()}. 8 simulated host devices, "
         f"mesh `data x model`; {timed_steps} timed training steps per case. "
-        f"Models: the KerasHub backbones of `benchmarks/zoo.py` (2 layers, hidden "
-        f"256, batch {zoo.BATCH} × seq {zoo.SEQ}, MSE on random targets; Llama "
-        "has 2 KV heads, OPT a vocabulary of 1003). Regenerate with:\n\n"
+        "Models: the KerasHub backbones of `keras_autoshard/testing/zoo.py` "
+        f"(2 layers, hidden 256, batch {zoo.BATCH} × seq {zoo.SEQ}, MSE on "
+        "random targets; Llama has 2 KV heads, OPT a vocabulary of 1003). "
+        "Regenerate with:\n\n"
         f"```\n{command}\n```\n\n"
         + markdown_table(headers, table_rows, right)
         + _skipped_notes(rows)

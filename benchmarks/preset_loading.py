@@ -41,7 +41,7 @@ from benchmarks.checkpoint_loading import (
     _setup_jax,
     run_child,
 )
-from benchmarks.markdown import markdown_table, write_section
+from keras_autoshard.testing.markdown import markdown_table, write_section
 
 SECTION_NAME = "preset-loading"
 SLACK_BYTES = 64 * 2**20

@@ -46,22 +46,24 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from benchmarks.markdown import write_section  # noqa: E402
 from benchmarks.real_size_report import environment_description, render  # noqa: E402
-from benchmarks.reduced_depth import (  # noqa: E402
+from keras_autoshard.testing.markdown import write_section  # noqa: E402
+from keras_autoshard.testing.real_size_models import (  # noqa: E402
+    TARGET,
+    Published,
+    RealSizeRow,
+    plan_row,
+)
+from keras_autoshard.testing.reduced_depth import (  # noqa: E402
     fit_linear,
     pinned_estimate,
     restricted_plan,
 )
 
 SECTION_NAME = "real-size-gpu"
-TARGET = "h100-80gb"
-POLICY = "mixed_bfloat16"
 MEASURED_LAYERS = (2, 4, 8)
 # All layers are compiled where that process ends within this here (the
 # issue's "under 10 minutes" for the compile, plus building and lowering)...
@@ -75,95 +77,6 @@ CONFIGS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs"
 )
 COMMAND = "python -m benchmarks.real_size_gpu --output BENCHMARKS.md"
-TORCHTITAN = (
-    "torchtitan's docs/performance.md, tables 1, 4 and 5 (torchtitan 9dec370, "
-    "2024-12-26; H100s with 96 GB HBM2e at 500 W, Llama-3.1 with its 128,256-"
-    "token vocabulary, 8,192 tokens per sequence)"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """A measured throughput to set the estimate against.
-
-    Args:
-        tokens_per_s_per_gpu: The figures' range `(low, high)` (one figure
-            twice for one figure).
-        configuration: What was measured, in words.
-        source: Where it was published.
-    """
-
-    tokens_per_s_per_gpu: tuple[float, float]
-    configuration: str
-    source: str = TORCHTITAN
-
-
-@dataclasses.dataclass(frozen=True)
-class RealSizeRow:
-    """One real-size model on one mesh.
-
-    Args:
-        name: The row's name (`--rows NAME`).
-        hub_class: The KerasHub backbone class.
-        config: Its constructor's arguments (`num_layers` the full depth).
-        mesh: `(batch, model)` mesh shape.
-        batch: Global batch (sequences or images).
-        seq: Tokens per example (an image's: its patches).
-        published: A measured throughput for this model and GPU count.
-    """
-
-    name: str
-    hub_class: str
-    config: dict[str, Any]
-    mesh: tuple[int, int]
-    batch: int
-    seq: int
-    published: Published | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.config["num_layers"])
-
-    @property
-    def device_count(self) -> int:
-        return self.mesh[0] * self.mesh[1]
-
-    @property
-    def is_image_model(self) -> bool:
-        return "image_shape" in self.config
-
-    def builder(self, num_layers: int | None = None) -> Callable[[], Any]:
-        """A function building the backbone (at `num_layers`, default the
-        full depth) under `POLICY`, as these models are trained."""
-        kwargs = dict(self.config, dtype=POLICY)
-        if num_layers is not None:
-            kwargs["num_layers"] = num_layers
-        hub_class = self.hub_class
-
-        def build():
-            import keras_hub
-
-            return getattr(keras_hub.models, hub_class)(**kwargs)
-
-        return build
-
-    def sample_input(self):
-        """One global batch of inputs as `jax.ShapeDtypeStruct`s."""
-        import jax
-
-        if self.is_image_model:
-            return jax.ShapeDtypeStruct(
-                (self.batch, *self.config["image_shape"]), "float32"
-            )
-        tokens = jax.ShapeDtypeStruct((self.batch, self.seq), np.int32)
-        return {"token_ids": tokens, "padding_mask": tokens}
-
-    def sample_target(self):
-        """The MSE target: the backbone's output shape, float32."""
-        import jax
-
-        width = self.config["hidden_dim"]
-        return jax.ShapeDtypeStruct((self.batch, self.seq, width), np.float32)
 
 
 def _config(file_name: str) -> dict[str, Any]:
@@ -265,18 +178,8 @@ def _row(key: str) -> RealSizeRow:
 
 def plan_child(key: str, plan_path: str) -> dict[str, Any]:
     """Child: plan the full depth shapes-only, save the plan."""
-    from keras_autoshard import MeshSpec
-    from keras_autoshard.planner.plan_request import PlanRequest
-    from keras_autoshard.planner.planner import plan_with_cost
-
-    row = _row(key)
     start = time.perf_counter()
-    result = plan_with_cost(
-        row.builder(),
-        MeshSpec(row.mesh, ("batch", "model")),
-        row.sample_input(),
-        PlanRequest(hardware=TARGET),
-    )
+    result = plan_row(_row(key))
     seconds = time.perf_counter() - start
     result.plan.save(plan_path)
     return {"planning_s": seconds, "rss_bytes": _peak_rss_bytes()}

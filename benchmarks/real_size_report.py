@@ -16,30 +16,11 @@ import platform
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.markdown import markdown_table
-from benchmarks.reduced_depth import fit_linear
 from keras_autoshard.plans.hardware import hardware_profile
 from keras_autoshard.plans.units import format_bytes
-
-
-def tokens_per_s_per_gpu(
-    batch: int, tokens_per_example: int, step_time_s: float, device_count: int
-) -> float:
-    """Tokens each GPU trains on per second.
-
-    `step_time_s` is the estimate's time of one optimizer step over the
-    whole global batch: the planner traces the global batch, so its FLOPs
-    are every micro-batch's together, and it counts the data-axis
-    reductions once per micro-batch. Under gradient accumulation no
-    division by the micro-batch count is due.
-
-    Example:
-
-    ```python
-    tokens_per_s_per_gpu(256, 4096, 4.0, 256)  # 1024.0
-    ```
-    """
-    return batch * tokens_per_example / (step_time_s * device_count)
+from keras_autoshard.testing.markdown import markdown_table
+from keras_autoshard.testing.real_size_models import tokens_per_s_per_gpu
+from keras_autoshard.testing.reduced_depth import fit_linear
 
 
 def summarize(row, measured: dict[str, Any], target: str) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import platform
 import sys
 from collections.abc import Mapping, Sequence
 
-from benchmarks.markdown import markdown_table
 from benchmarks.measure import AxesKey, CaseResult, Measurement
 from benchmarks.models import MODELS, MegatronMinimum
 from keras_autoshard import MeshSpec
 from keras_autoshard.plans.units import format_bytes
+from keras_autoshard.testing.markdown import markdown_table
 
 BASELINE_STRATEGY = "single"
 NOT_AVAILABLE = "n/a"

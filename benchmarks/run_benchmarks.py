@@ -36,13 +36,14 @@ from collections.abc import Mapping, Sequence  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
-from benchmarks.markdown import write_section  # noqa: E402
 from benchmarks.measure import CaseResult, Measurement, measure_case  # noqa: E402
 from benchmarks.models import MODELS, MegatronMinimum  # noqa: E402
 from benchmarks.report import render_section  # noqa: E402
-from benchmarks.strategies import DATA_AXIS, MODEL_AXIS, STRATEGIES  # noqa: E402
+from benchmarks.strategies import STRATEGIES  # noqa: E402
 from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.building import names_replayed_after  # noqa: E402
+from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS  # noqa: E402
+from keras_autoshard.testing.markdown import write_section  # noqa: E402
 
 SECTION_NAME = "sharding-strategies"
 MESH = MeshSpec((2, 4), (DATA_AXIS, MODEL_AXIS))

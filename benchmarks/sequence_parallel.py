@@ -34,9 +34,9 @@ simulate_devices(8)
 import argparse  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
-from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.report import machine_description  # noqa: E402
 from keras_autoshard.plans.units import format_bytes  # noqa: E402
+from keras_autoshard.testing.markdown import markdown_table, write_section  # noqa: E402
 
 SECTION_NAME = "sequence-parallel"
 MODELS = ("gpt2", "bert", "opt", "gemma", "llama", "subclassed")
@@ -46,12 +46,12 @@ COMMAND = "python -m benchmarks.sequence_parallel --output BENCHMARKS.md"
 
 def measure(name: str, shape: tuple[int, int]) -> dict:
     """One model on one mesh, with and without sequence parallelism."""
-    from benchmarks import zoo
-    from benchmarks.measure import compiled_as_planned
     from keras_autoshard import MeshSpec, plan
     from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
     from keras_autoshard.report.hlo.schedules import schedule_peaks
+    from keras_autoshard.testing import zoo
+    from keras_autoshard.testing.compiled import compiled_as_planned
 
     build, batch = zoo.ZOO[name]
     x = batch()

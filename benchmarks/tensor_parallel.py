@@ -40,7 +40,6 @@ from typing import Any  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.markdown import markdown_table, write_section  # noqa: E402
 from benchmarks.measure import time_train_steps  # noqa: E402
 from keras_autoshard import TensorParallel  # noqa: E402
 from keras_autoshard.building import names_replayed_after  # noqa: E402
@@ -48,6 +47,7 @@ from keras_autoshard.errors import PlanError  # noqa: E402
 from keras_autoshard.plans.estimate import HEADROOM  # noqa: E402
 from keras_autoshard.plans.units import format_bytes  # noqa: E402
 from keras_autoshard.report.estimate_check import compiled_peak_bytes  # noqa: E402
+from keras_autoshard.testing.markdown import markdown_table, write_section  # noqa: E402
 
 SECTION_NAME = "tensor-parallel"
 BATCH, SEQ, VOCAB = 8, 64, 1024

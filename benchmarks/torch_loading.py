@@ -35,8 +35,8 @@ import tempfile
 from collections.abc import Sequence
 
 from benchmarks.checkpoint_loading import WIDTH, run_child
-from benchmarks.markdown import markdown_table, write_section
 from benchmarks.report import machine_description
+from keras_autoshard.testing.markdown import markdown_table, write_section
 
 SECTION_NAME = "torch-loading"
 WORKER = os.path.join(

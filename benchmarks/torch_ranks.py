@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.markdown import markdown_table, write_section
 from benchmarks.report import machine_description
 from keras_autoshard.plans.units import format_bytes
+from keras_autoshard.testing.markdown import markdown_table, write_section
 
 SECTION_NAME = "torch-ranks"
 WORKER = os.path.join(

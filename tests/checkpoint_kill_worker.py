@@ -30,13 +30,13 @@ simulate_devices(8)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import zoo  # noqa: E402
 from keras_autoshard import (  # noqa: E402
     MeshSpec,
     PlanDistribution,
     plan_from_rules,
     save_checkpoint,
 )
+from keras_autoshard.testing import zoo  # noqa: E402
 
 HIDDEN = 512  # about 24 MiB of weights and Adam state per checkpoint
 RULES = {"up/kernel": (None, "model"), "down/kernel": ("model", None)}

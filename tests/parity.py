@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from benchmarks.measure import relative_error
 from keras_autoshard import rematerialize
 from keras_autoshard.building import names_replayed_after
+from keras_autoshard.testing.parity import relative_error
 
 RELATIVE_TOLERANCE = 1e-5
 PARITY_SEED = 1234

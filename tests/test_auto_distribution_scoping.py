@@ -7,8 +7,8 @@ import keras
 import numpy as np
 
 import keras_autoshard as ka
-from benchmarks import zoo
 from keras_autoshard.building import names_replayed_after
+from keras_autoshard.testing import zoo
 from tests.parity import PARITY_SEED, assert_close
 
 MESH_2x4 = ka.MeshSpec((2, 4), ("batch", "model"))

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
     MeshSpec,
@@ -24,6 +23,7 @@ from keras_autoshard.building import names_replayed_after
 from keras_autoshard.checkpoint.sharded_load import load_preset_sharded
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.io.keras_weights_layout import keras_h5_keys
+from keras_autoshard.testing import zoo
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 MEGATRON_RULES = {

@@ -9,7 +9,6 @@ import keras
 import numpy as np
 import pytest
 
-from benchmarks import zoo
 from keras_autoshard import (
     AutoShardDistribution,
     MeshSpec,
@@ -23,6 +22,7 @@ from keras_autoshard import (
 from keras_autoshard.checkpoint.orbax_callback import ShardedOrbaxCheckpoint
 from keras_autoshard.checkpoint.steps import complete_steps
 from keras_autoshard.errors import CheckpointError
+from keras_autoshard.testing import zoo
 
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))
 MESH_1x8 = MeshSpec((1, 8), ("batch", "model"))

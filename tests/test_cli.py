@@ -169,7 +169,7 @@ def builder_inspect(tmp_path_factory):
         "8",
         "inspect",
         "--builder",
-        "benchmarks.zoo:build_mlp_block",
+        "keras_autoshard.testing.zoo:build_mlp_block",
         "--json",
         str(report_path),
     )
@@ -202,7 +202,7 @@ def test_inspect_flags_estimates_that_differ_by_more_than_the_tolerance():
         "8",
         "inspect",
         "--builder",
-        "benchmarks.zoo:build_mlp_block",
+        "keras_autoshard.testing.zoo:build_mlp_block",
         "--job",
         "inference",
         "--tolerance",
@@ -256,7 +256,13 @@ def test_inspect_refuses_the_generate_job_with_what_to_do(capsys):
     from keras_autoshard.cli.main import main
 
     code = main(
-        ["inspect", "--builder", "benchmarks.zoo:build_mlp_block", "--job", "generate"]
+        [
+            "inspect",
+            "--builder",
+            "keras_autoshard.testing.zoo:build_mlp_block",
+            "--job",
+            "generate",
+        ]
     )
     assert code == 1
     error = capsys.readouterr().err
@@ -273,7 +279,7 @@ def test_inspect_json_holds_the_compiled_report(builder_inspect):
 
 @pytest.fixture(scope="module")
 def keras_file(tmp_path_factory):
-    from benchmarks.zoo import build_mlp_block
+    from keras_autoshard.testing.zoo import build_mlp_block
 
     path = tmp_path_factory.mktemp("keras_file") / "mlp.keras"
     build_mlp_block().save(str(path))
@@ -290,7 +296,11 @@ def test_inspect_of_a_keras_file_loads_its_weights_sharded(keras_file):
 # ----------------------------------------------------------------- errors
 def test_a_budget_no_plan_fits_is_an_error_without_traceback():
     result = run_cli(
-        "plan", "--builder", "benchmarks.zoo:build_mlp_block", "--memory-budget", "1KiB"
+        "plan",
+        "--builder",
+        "keras_autoshard.testing.zoo:build_mlp_block",
+        "--memory-budget",
+        "1KiB",
     )
     assert result.returncode == 1, explain(result)
     assert "keras-autoshard plan: error: No plan fits" in result.stderr

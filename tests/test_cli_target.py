@@ -134,7 +134,7 @@ def test_inspect_target_without_the_cuda_plugin_names_the_extra(monkeypatch, cap
             "--target",
             "h100-80gb",
             "--builder",
-            "benchmarks.zoo:build_mlp_block",
+            "keras_autoshard.testing.zoo:build_mlp_block",
             "--mesh",
             "2x4",
         ]
@@ -157,6 +157,13 @@ def test_inspect_target_usage_errors(args, message, capsys):
     from keras_autoshard.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["inspect", "--builder", "benchmarks.zoo:build_mlp_block", *args])
+        main(
+            [
+                "inspect",
+                "--builder",
+                "keras_autoshard.testing.zoo:build_mlp_block",
+                *args,
+            ]
+        )
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err

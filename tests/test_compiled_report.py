@@ -4,8 +4,8 @@ import functools
 import json
 import re
 
-from benchmarks import zoo
 from keras_autoshard import PlanDistribution, inspect_compiled
+from keras_autoshard.testing import zoo
 from tests.test_parity_handwritten import mlp_plan
 from tests.xla_flags import SUITE_XLA_FLAGS
 

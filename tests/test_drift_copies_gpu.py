@@ -10,30 +10,33 @@ gathered copies (`stream_drift.gathered_by_stage`). The same plan at 3 and
 7 layers with the lower 2 rematerialized (the 80-layer plan keeps its upper
 11 whole) is compiled deviceless for the mesh's 256 GPUs. The estimate was
 0.75 and 1.17 of those peaks before both were followed (0.96 and 0.99
-with them). The plan of the whole depth is the benchmark's
-(`benchmarks/real_size_gpu.py`: at 80 layers, 0.99).
+with them). The plan of the whole depth is planned as the real-size
+benchmark plans its row (`plan_row`; `benchmarks/real_size_gpu.py`: at 80
+layers, 0.99).
 """
 
 import dataclasses
+import json
+import pathlib
 
 import pytest
 
-from benchmarks import real_size_gpu
-from benchmarks.reduced_depth import pinned_estimate, restricted_plan
-from keras_autoshard import ShardingPlan
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.building import build_abstract
+from keras_autoshard.testing.real_size_models import TARGET, RealSizeRow, plan_row
+from keras_autoshard.testing.reduced_depth import pinned_estimate, restricted_plan
 
-ROW = "Llama-2-70B@16x16"
+CONFIG = pathlib.Path(__file__).parents[1] / "examples" / "configs" / "llama2_70b.json"
 REMATERIALIZED = 2
 
 
 @pytest.fixture(scope="module")
-def full_plan(tmp_path_factory):
-    """The benchmark's row and its plan of the whole depth."""
-    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
-    real_size_gpu.plan_child(ROW, path)
-    return real_size_gpu._row(ROW), ShardingPlan.load(path)
+def full_plan():
+    """Llama-2-70B on 16x16 (batch 256 x 4096) and its plan of the whole
+    depth."""
+    config = json.loads(CONFIG.read_text())
+    row = RealSizeRow("Llama-2-70B", "LlamaBackbone", config, (16, 16), 256, 4096)
+    return row, plan_row(row).plan
 
 
 @pytest.mark.parametrize("layers", [3, 7])
@@ -53,7 +56,7 @@ def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(full_plan, laye
         rematerialize=tuple(f"transformer_layer_{i}" for i in range(REMATERIALIZED)),
     )
     estimate, _, differences = pinned_estimate(
-        builder, shallow, row.sample_input(), real_size_gpu.TARGET
+        builder, shallow, row.sample_input(), TARGET
     )
     assert not differences
     shallow = dataclasses.replace(shallow, estimate=estimate)
@@ -61,7 +64,7 @@ def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(full_plan, laye
         builder,
         shallow,
         (row.sample_input(), row.sample_target()),
-        real_size_gpu.TARGET,
+        TARGET,
     )
     ratio = compiled.estimated_peak_bytes / compiled.compiled_peak_bytes
     assert 0.9 <= ratio <= 1.1, ratio

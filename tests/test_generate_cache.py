@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 from keras import layers, ops
 
-from benchmarks import zoo
-from benchmarks.measure import (
-    cache_buffer_bytes,
-    executable_peak_bytes,
-    planned_generate,
-)
 from keras_autoshard import MeshSpec, ShardingPlan, plan
 from keras_autoshard.building import build_abstract
 from keras_autoshard.errors import ModelNotTraceableError, PlanError
 from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.generate import (
+    cache_buffer_bytes,
+    executable_peak_bytes,
+    planned_generate,
+)
 from keras_autoshard.trace.tracer import trace_model
 
 BATCH, SEQ, HIDDEN = 4, 16, 64

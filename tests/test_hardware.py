@@ -4,7 +4,6 @@ bandwidth by mesh axis, and the CLI's `--hardware`."""
 import numpy as np
 import pytest
 
-from benchmarks import zoo
 from keras_autoshard import MeshSpec, plan
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.hardware import (
@@ -13,6 +12,7 @@ from keras_autoshard.plans.hardware import (
     hardware_profile,
 )
 from keras_autoshard.runtime.devices import accelerator_memory_budget
+from keras_autoshard.testing import zoo
 
 GiB = 2**30
 

@@ -5,9 +5,9 @@ whole."""
 import numpy as np
 import pytest
 
-from benchmarks import zoo
 from keras_autoshard import MeshSpec, ShardingPlan, plan
 from keras_autoshard.errors import PlanError
+from keras_autoshard.testing import zoo
 
 MESH = MeshSpec((2, 4), ("batch", "model"))
 

@@ -11,13 +11,13 @@ step's (XLA memory analysis) within ±15 %.
 import keras
 import pytest
 
-from benchmarks import zoo
 from keras_autoshard import MeshSpec, PlanDistribution, plan
 from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
     inspect_compiled,
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
 
 TOLERANCE = 0.15
 

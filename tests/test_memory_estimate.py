@@ -16,8 +16,6 @@ import keras
 import pytest
 from keras import layers
 
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned
 from keras_autoshard import MeshSpec, PlanDistribution, plan
 from keras_autoshard.building import build_abstract
 from keras_autoshard.graph.builder import build_axis_graph
@@ -29,6 +27,8 @@ from keras_autoshard.report.compiled_program import (
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 from keras_autoshard.report.hlo.schedules import schedule_peaks
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned
 from keras_autoshard.trace.tracer import trace_model
 
 MESHES = [(2, 4), (1, 8), (8, 1)]

@@ -1,15 +1,17 @@
 """Every Backbone class that keras_hub 0.32.0 exports, on 2x4 (and 1x8, 8x1):
 the text classes here, the others in `tests/test_model_coverage_images.py`.
 
-Each class is built once from a small config (`benchmarks/hub_backbones`,
-batch 8) on one device; on a mesh `AutoShardDistribution.prepare` plans it
-and moves its variables, and the forward pass under the plan must match one
-device within 1e-5 relative, with the batch split over the data axis (8
-divides every data axis here). Text backbones also take one training step on
-2x4 (loss, every gradient, every updated weight): there one plan and one
-program per side give the forward outputs and the step (`check_on_mesh(...,
-train=True)`). The checks are `benchmarks.model_coverage`'s, which also
-writes the BENCHMARKS.md table (every class on all three meshes).
+Each class is built once from a small config
+(`keras_autoshard/testing/hub_backbones`, batch 8) on one device; on a mesh
+`AutoShardDistribution.prepare` plans it and moves its variables, and the
+forward pass under the plan must match one device within 1e-5 relative, with
+the batch split over the data axis (8 divides every data axis here). Text
+backbones also take one training step on 2x4 (loss, every gradient, every
+updated weight): there one plan and one program per side give the forward
+outputs and the step (`check_on_mesh(..., train=True)`). The checks are
+`keras_autoshard.testing.model_coverage`'s; `benchmarks/model_coverage.py`
+runs them to write the BENCHMARKS.md table (every class on all three
+meshes).
 
 Meshes: the default run checks every class on 2x4, which has both a data
 axis and a model axis, so it exercises the batch-split rule and the
@@ -32,8 +34,12 @@ import keras_hub
 import pytest
 
 import keras_autoshard as ka
-from benchmarks import model_coverage as coverage
-from benchmarks.hub_backbones import CASES, build, exported_backbone_classes
+from keras_autoshard.testing import model_coverage as coverage
+from keras_autoshard.testing.hub_backbones import (
+    CASES,
+    build,
+    exported_backbone_classes,
+)
 
 KERAS_HUB_VERSION = "0.32.0"
 EXPORTED_BACKBONE_COUNT = 84

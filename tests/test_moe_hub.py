@@ -5,7 +5,14 @@ moves no more bytes than KerasHub's own `get_layout_map` where one exists."""
 import pytest
 
 import keras_autoshard as ka
-from benchmarks.moe_experts import CONFIGS, MESH_2x4, builder, measure, targets, tokens
+from keras_autoshard.testing.moe_backbones import (
+    CONFIGS,
+    MESH_2x4,
+    builder,
+    measure,
+    targets,
+    tokens,
+)
 from tests.parity import check_parity
 
 

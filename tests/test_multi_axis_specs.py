@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from benchmarks import zoo
 from keras_autoshard import MeshSpec, PlanDistribution
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
 from keras_autoshard.building import names_replayed_after
@@ -18,6 +17,7 @@ from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.rules import plan_from_rules
 from keras_autoshard.plans.sharding_plan import ShardingPlan, VariableSharding
 from keras_autoshard.runtime.jax_processes import batch_share
+from keras_autoshard.testing import zoo
 from tests.parity import check_parity, distribute_batch
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

@@ -19,7 +19,11 @@ Stage order (a module may import its own stage and earlier ones only):
     apply                                 (8: ShardingPlan → running model;
                                               `TensorParallel.inspect` reports)
     checkpoint                            (9: reads and writes applied models)
-    cli, __main__                         (10: the command line)
+    testing                               (10: model zoo, plan → compile →
+                                              inspect, reference plans: what
+                                              tests, benchmarks and the command
+                                              line check plans with)
+    cli, __main__                         (11: the command line)
 
 `keras_autoshard/__init__.py` and its public modules `building.py`,
 `distributed.py`, `types.py` (and the deprecated `collectives.py`) only name
@@ -54,8 +58,9 @@ STAGES = {
     "report": 7,
     "apply": 8,
     "checkpoint": 9,
-    "cli": 10,
-    "__main__": 10,
+    "testing": 10,
+    "cli": 11,
+    "__main__": 11,
 }
 PUBLIC_FRONTS = {
     "keras_autoshard",

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from benchmarks import zoo
-from benchmarks.reference_rules import keras_hub_megatron_plan
 from keras_autoshard import MeshSpec, PlanDistribution
 from keras_autoshard.building import names_replayed_after
 from keras_autoshard.plans.rules import plan_from_rules
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.reference_plans import keras_hub_megatron_plan
 from tests.parity import check_parity
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

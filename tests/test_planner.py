@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import keras_autoshard as ka
-from benchmarks import zoo
 from keras_autoshard import MeshSpec
 from keras_autoshard.errors import PlanError
 from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.planner import plan_with_cost
+from keras_autoshard.testing import zoo
 from tests.parity import check_parity
 
 MESH_2x4 = MeshSpec((2, 4), ("batch", "model"))

@@ -6,10 +6,6 @@ import dataclasses
 import pytest
 
 import keras_autoshard as ka
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned, compiled_report
-from benchmarks.reference_rules import keras_hub_megatron_plan
-from benchmarks.strategies import keras_hub_layout_map
 from keras_autoshard import MeshSpec, PlanDistribution, plan_from_rules
 from keras_autoshard.building import names_replayed_after
 from keras_autoshard.planner.planner import plan_with_cost
@@ -17,6 +13,12 @@ from keras_autoshard.plans.estimate import HEADROOM
 from keras_autoshard.plans.layouts import ActivationLayout
 from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned, compiled_report
+from keras_autoshard.testing.reference_plans import (
+    keras_hub_layout_map,
+    keras_hub_megatron_plan,
+)
 
 MESHES = [
     MeshSpec((2, 4), ("batch", "model")),

@@ -1,9 +1,10 @@
-"""The real-size XLA:GPU benchmark's own logic, on a small model: the plan
+"""The real-size XLA:GPU measurement's logic, on a small model: the plan
 of a shallower model is the full plan's, the planner estimates that same
-plan, lines through the compiled peaks extrapolate, throughput counts the
-whole batch, and the section labels what it extrapolated
-(`benchmarks/real_size_gpu.py`, `reduced_depth.py`, `real_size_report.py`).
-The compiles themselves run only in the benchmark."""
+plan, lines through the compiled peaks extrapolate, and throughput counts
+the whole batch (`keras_autoshard/testing/reduced_depth.py`,
+`real_size_models.py`). The compiles themselves run only in the benchmark
+(`benchmarks/real_size_gpu.py`, whose rows and section are checked in
+`benchmarks/tests/test_real_size_section.py`)."""
 
 import math
 
@@ -13,17 +14,14 @@ import numpy as np
 import pytest
 
 import keras_autoshard as ka
-from benchmarks.real_size_gpu import (
-    COMMAND,
-    FULL_COMPILE_RSS_LIMIT_BYTES,
-    FULL_COMPILE_TIMEOUT_S,
-    TARGET,
-    real_size_rows,
-)
-from benchmarks.real_size_report import render, tokens_per_s_per_gpu
-from benchmarks.reduced_depth import fit_linear, pinned_estimate, restricted_plan
 from keras_autoshard.planner.plan_request import PlanRequest
 from keras_autoshard.planner.planner import plan_with_cost
+from keras_autoshard.testing.real_size_models import TARGET, tokens_per_s_per_gpu
+from keras_autoshard.testing.reduced_depth import (
+    fit_linear,
+    pinned_estimate,
+    restricted_plan,
+)
 
 MESH = ka.MeshSpec((2, 4), ("batch", "model"))
 BATCH, SEQ, HIDDEN = 8, 64, 128
@@ -88,7 +86,7 @@ def local_bytes(sharding_plan):
 def test_the_shallower_plan_is_the_full_plans_for_its_variables_and_layers(
     full_plan,
 ):
-    paths = [v.path for v in ka.building.build_abstract(llama(2)).variables]
+    paths = [v.path for v in ka.build_abstract(llama(2)).variables]
     reduced = restricted_plan(full_plan, paths)
     assert [v.path for v in reduced.variables] == sorted(paths)
     for variable in reduced.variables:
@@ -101,7 +99,7 @@ def test_the_shallower_plan_is_the_full_plans_for_its_variables_and_layers(
 
 def test_the_planner_estimates_that_same_plan_fsdp_storage_included(full_plan):
     builder = llama(2)
-    paths = [v.path for v in ka.building.build_abstract(builder).variables]
+    paths = [v.path for v in ka.build_abstract(builder).variables]
     reduced = restricted_plan(full_plan, paths)
     # Raises unless the planner's plan has the same levers.
     estimate, _, differences = pinned_estimate(builder, reduced, tokens(), TARGET)
@@ -164,71 +162,3 @@ def test_the_estimated_step_covers_the_whole_batch_under_accumulation():
     assert costs[0].compute_flops == costs[1].compute_flops
     assert costs[1].step_time_s >= costs[0].step_time_s
     assert tokens_per_s_per_gpu(256, 4096, 4.0, 256) == pytest.approx(1024.0)
-
-
-def test_each_rows_target_has_its_backbones_output_shape():
-    for row in real_size_rows():
-        model = ka.building.build_abstract(row.builder(2))
-        _, tokens_dim, width = model.outputs[0].shape
-        target = row.sample_target().shape
-        # A sequence model's token dim is free; an image model's is fixed.
-        assert tokens_dim in (None, target[1]) and width == target[2], row.name
-        assert target[:2] == (row.batch, row.seq)
-
-
-def _compile(layers, peak, estimate):
-    return {
-        "layers": layers,
-        "compiled_peak_bytes": peak,
-        "estimated_peak_bytes": estimate,
-        "compile_s": 1.0 + layers,
-        "rss_bytes": 2**30,
-        "rematerialized": layers,
-        "estimate_plan_differences": [],
-    }
-
-
-def test_the_section_labels_extrapolated_peaks_and_what_was_not_measured():
-    rows = [r for r in real_size_rows() if r.published][:2]
-    estimate = {"peak_bytes": 70 * 2**30, "step_time_s": 4.0}
-    base = {
-        "planning_s": 12.0,
-        "planning_rss_bytes": 2**30,
-        "estimate": estimate,
-        "rematerialized": 80,
-        "accumulation": 2,
-    }
-    gib = 2**30
-    extrapolated = dict(
-        base,
-        compiles=[_compile(n, (10 + n) * gib, (12 + n) * gib) for n in (2, 4, 8)],
-        full_compile=None,
-        predicted_full_rss_bytes=4 * gib,
-        skipped=["80 layers: no result within 900 s"],
-    )
-    measured = dict(
-        base,
-        rematerialized=75,
-        compiles=[_compile(2, 12 * gib, 14 * gib)],
-        full_compile=_compile(80, 90 * gib, 0),
-        skipped=["4 layers: no result within 1800 s"],
-    )
-    text = render(
-        rows,
-        [extrapolated, measured],
-        "a machine",
-        COMMAND,
-        TARGET,
-        FULL_COMPILE_TIMEOUT_S,
-        FULL_COMPILE_RSS_LIMIT_BYTES,
-    )
-    assert COMMAND in text
-    # 10 GiB + 1 GiB per layer, at 80 layers: 90 GiB, marked as the fit's.
-    assert "90.00 GiB (extrapolated from 2, 4, 8 layers)" in text
-    assert "80, extrapolated (a + b × layers)" in text
-    assert "80 layers: no result within 900 s" in text
-    assert "| NO |" in text  # 90 GiB compiled is over the usable 76 GiB
-    assert "4 layers: no result within 1800 s" in text
-    assert "the full plan rematerializes 75 of 80 layers" in text
-    # 256 × 4096 tokens in 4 s on 256 GPUs: 1,024 tokens/s per GPU.
-    assert "| 1,024 | 829–876 | 1.17–1.24 |" in text

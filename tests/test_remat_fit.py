@@ -26,8 +26,6 @@ plan says: micro-batches of the planned batch, and
 
 import pytest
 
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
@@ -39,6 +37,8 @@ from keras_autoshard.report.compiled_program import (
     MEMORY_SCHEDULE_ON_CPU,
 )
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned
 from tests.parity import check_parity, rematerialized_under
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

@@ -13,14 +13,14 @@ task could not be rematerialized (`rematerialize="all"` chose nothing).
 import keras
 import pytest
 
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned, plan_distribution
 from keras_autoshard import MeshSpec, PlanDistribution, plan, rematerialize
 from keras_autoshard.building import build_abstract
 from keras_autoshard.errors import PlanError
 from keras_autoshard.graph.blocks import unit_namer
 from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned, plan_distribution
 from tests.parity import check_parity, rematerialized_under
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

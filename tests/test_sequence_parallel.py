@@ -24,11 +24,11 @@ import keras
 import numpy as np
 import pytest
 
-from benchmarks import zoo
-from benchmarks.measure import compiled_as_planned, plan_distribution
 from keras_autoshard import AutoShardDistribution, MeshSpec, plan
 from keras_autoshard.report.compiled_program import MEMORY_SCHEDULE_ON_CPU
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
+from keras_autoshard.testing.compiled import compiled_as_planned, plan_distribution
 from tests.parity import check_parity, rematerialized_under
 
 SEQ = 128

@@ -6,7 +6,6 @@ import re
 import keras
 import pytest
 
-from benchmarks import zoo
 from keras_autoshard import (
     MeshSpec,
     PlanDistribution,
@@ -17,6 +16,7 @@ from keras_autoshard import (
 from keras_autoshard.building import names_replayed_after
 from keras_autoshard.errors import PlanError
 from keras_autoshard.plans.sharding_plan import ActivationLayout
+from keras_autoshard.testing import zoo
 from keras_autoshard.types import VariableSharding
 
 MESH = MeshSpec((2, 4), ("batch", "model"))

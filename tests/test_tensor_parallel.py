@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import keras_autoshard as ka
-from benchmarks import zoo
 from keras_autoshard import TensorParallel
 from keras_autoshard.apply.tensor_parallel_setup import tensor_parallel_setup
 from keras_autoshard.building import names_replayed_after
 from keras_autoshard.errors import TensorParallelError
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.testing import zoo
 from tests.parity import assert_close
 
 SEED = 1234

@@ -213,12 +213,9 @@ def _model_options() -> argparse.ArgumentParser:
 
 
 def _add_bench_parser(commands) -> None:
-    from keras_autoshard.cli.bench import load_benchmarks
+    from keras_autoshard.cli.bench import BENCHMARKS
 
-    try:
-        benchmark_names = list(load_benchmarks().BENCHMARKS)
-    except AutoShardError:
-        benchmark_names = None  # `bench` then reports why it cannot run
+    benchmark_names = list(BENCHMARKS)
     bench = commands.add_parser(
         "bench",
         help="run the benchmarks and rewrite BENCHMARKS.md",
@@ -230,7 +227,7 @@ def _add_bench_parser(commands) -> None:
         nargs="+",
         choices=benchmark_names,
         metavar="NAME",
-        help=f"run only these, in this order (of: {', '.join(benchmark_names or [])})",
+        help=f"run only these, in this order (of: {', '.join(benchmark_names)})",
     )
     bench.add_argument(
         "--quick", action="store_true", help="fewer timed steps and cases"
@@ -359,15 +356,14 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     if args.command == "bench":
         from rich.console import Console
 
-        from keras_autoshard.cli.bench import load_benchmarks
+        from keras_autoshard.cli.bench import BENCHMARKS, list_benchmarks, run_bench
 
-        benchmarks = load_benchmarks()
         console = Console(width=None if sys.stdout.isatty() else 160)
         if args.list:
-            benchmarks.list_benchmarks(console)
+            list_benchmarks(console)
             return 0
-        return benchmarks.run_bench(
-            args.only or list(benchmarks.BENCHMARKS),
+        return run_bench(
+            args.only or list(BENCHMARKS),
             args.output,
             args.quick,
             args.dry_run,

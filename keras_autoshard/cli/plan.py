@@ -101,16 +101,13 @@ def run_inspect(args: argparse.Namespace) -> int:
         0, or 1 with `--strict` when an estimate differs by more than the
         tolerance.
     """
-    from keras_autoshard import PlanDistribution, inspect_compiled, load_weights_sharded
-    from keras_autoshard.apply.as_planned import (
-        compile_as_planned,
-        compiler_options_for,
-        first_micro_batch,
-    )
+    from keras_autoshard import PlanDistribution, load_weights_sharded
+    from keras_autoshard.apply.as_planned import compiler_options_for
     from keras_autoshard.report.estimate_check import (
         check_estimates,
         planner_estimates,
     )
+    from keras_autoshard.testing.compiled import compiled_as_planned
 
     if args.job == "generate":
         raise PlanError(
@@ -123,21 +120,26 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.target:
         return _inspect_for_target(args)
     source = model_source(args)
-    result, sample, _ = make_plan(args, source)
-    distribution = PlanDistribution(result.plan)
-    with distribution.scope():
+    result, sample, abstract_model = make_plan(args, source)
+    targets = sample_targets(abstract_model, sample)
+
+    def build():
         model = source.build()
         if source.weights_path:
             load_weights_sharded(model, source.weights_path, progress=True)
-        # Its rematerialized layers and micro-batches, which its estimate counts.
-        compile_as_planned(model, result.plan)
-        targets = sample_targets(model, sample)
+        return model
+
     options = compiler_options_for(result.plan)
-    report = inspect_compiled(
-        model,
-        distribution,
-        first_micro_batch(result.plan, (sample, targets)),
+    # Its rematerialized layers and micro-batches, which its estimate counts.
+    report = compiled_as_planned(
+        result.plan,
+        build,
+        sample,
+        targets,
         compiler_options=options,
+        with_forward_step=True,
+        # Every device: a mesh that leaves some out is an error here.
+        distribution=PlanDistribution(result.plan),
     )
     console = Console(width=args.width)
     _print_header(

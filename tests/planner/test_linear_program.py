@@ -48,8 +48,8 @@ def test_a_search_stopped_at_its_node_limit_says_so_with_its_gap():
 
 def test_the_plan_keeps_it_in_json_and_explain(tmp_path):
     import keras_autoshard as ka
-    from benchmarks import zoo
     from keras_autoshard.plans.sharding_plan import ShardingPlan
+    from keras_autoshard.testing import zoo
 
     build, batch = zoo.ZOO["mlp"]
     plan = ka.plan(build, ka.MeshSpec((2, 4), ("batch", "model")), batch())

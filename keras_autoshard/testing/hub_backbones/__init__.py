@@ -39,7 +39,7 @@ unroll a 64-step Python loop in their gated delta rule, which makes their
 eager forward pass the slowest of all (about a minute on 2 CPU cores).
 """
 
-from benchmarks.hub_backbones._core import (
+from keras_autoshard.testing.hub_backbones._core import (
     MODALITIES,
     HubBackboneCase,
     Sub,
@@ -47,9 +47,9 @@ from benchmarks.hub_backbones._core import (
     exported_backbone_classes,
     materialize,
 )
-from benchmarks.hub_backbones.multimodal import MULTIMODAL_CASES
-from benchmarks.hub_backbones.text import TEXT_CASES
-from benchmarks.hub_backbones.vision import VISION_CASES
+from keras_autoshard.testing.hub_backbones.multimodal import MULTIMODAL_CASES
+from keras_autoshard.testing.hub_backbones.text import TEXT_CASES
+from keras_autoshard.testing.hub_backbones.vision import VISION_CASES
 
 CASES: dict[str, HubBackboneCase] = {
     case.class_name: case

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.hub_backbones._core import (
+from keras_autoshard.testing.hub_backbones._core import (
     HubBackboneCase,
     Sub,
     floats,

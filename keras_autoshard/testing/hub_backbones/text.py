@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.hub_backbones._core import (
+from keras_autoshard.testing.hub_backbones._core import (
     HubBackboneCase,
     floats,
     merge,
