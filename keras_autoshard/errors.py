@@ -3,6 +3,18 @@
 Each class keeps the built-in base callers caught before (`ValueError`,
 `RuntimeError`) as a second base, so `except ValueError` still works. Messages
 name the value that was wrong (variable, dim, size, file) and what to do.
+
+Example:
+
+```python
+import keras_autoshard as ka
+from keras_autoshard.errors import PlanError
+
+try:
+    sharding_plan = ka.plan(build_model, mesh, sample_input, memory_budget="1GB")
+except PlanError as error:
+    print(error)  # names the least peak found and what to change
+```
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ spelling, the same object), and the one checkpoint callback for either
 backend."""
 
 import importlib
+import inspect
 import pathlib
 import re
 
@@ -160,3 +161,12 @@ def test_sharded_checkpoint_builds_the_backends_callback(tmp_path):
     # Keras's OrbaxCheckpoint's own options pass through.
     best = ka.ShardedCheckpoint(tmp_path / "best", save_best_only=True, monitor="loss")
     assert best.save_best_only
+
+
+def test_every_public_name_is_documented_with_an_example():
+    undocumented = [
+        name
+        for name in ka.__all__
+        if "Example:" not in (inspect.getdoc(getattr(ka, name)) or "")
+    ]
+    assert undocumented == []
