@@ -17,7 +17,7 @@ from keras_autoshard import (
     save_checkpoint,
 )
 from keras_autoshard.checkpoint.steps import complete_steps
-from tests import checkpoint_kill_worker as worker
+from tests.workers import checkpoint_kill_worker as worker
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -33,7 +33,13 @@ def tmp_path(tmp_path):
 
 def start_worker(directory, mode) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.checkpoint_kill_worker", str(directory), mode],
+        [
+            sys.executable,
+            "-m",
+            "tests.workers.checkpoint_kill_worker",
+            str(directory),
+            mode,
+        ],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

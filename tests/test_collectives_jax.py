@@ -151,7 +151,7 @@ def test_broadcast_matches_selecting_the_source_rows(src):
     assert_matches_unsharded(sharded, lambda x: x[src : src + 1], x)
 
 
-# --- the same programs as tests/collectives_torch_worker.py --------------------
+# --- the same programs as tests/workers/collectives_torch_worker.py ------------
 
 
 def megatron_mlp(x, w1, b1, w2, b2):

@@ -1,7 +1,7 @@
 """The PyTorch collectives on 2 and 4 gloo ranks (real processes on the CPU)
 match the single-process computation, forward and backward.
 
-Each rank runs every check of tests/collectives_torch_worker.py and reports
+Each rank runs every check of tests/workers/collectives_torch_worker.py and reports
 per check; a launch that does not finish within `TIMEOUT_S` fails instead of
 stalling the suite.
 """
@@ -27,10 +27,10 @@ from keras_autoshard.runtime.collectives import (  # noqa: E402
     reduce_scatter,
     scatter,
 )
-from tests.collectives_torch_worker import CHECKS  # noqa: E402
+from tests.workers.collectives_torch_worker import CHECKS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "collectives_torch_worker.py"
+WORKER = REPO / "tests" / "workers" / "collectives_torch_worker.py"
 WORLD_SIZES = (2, 4)
 TIMEOUT_S = 120
 

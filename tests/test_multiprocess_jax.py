@@ -1,7 +1,7 @@
 """Two JAX processes x 4 simulated CPU devices (gloo) against one process x 8.
 
 Real `jax.distributed` jobs on localhost, launched as subprocesses by
-`keras_autoshard.distributed.initialize`; see tests/multiprocess_jax_worker.py.
+`keras_autoshard.distributed.initialize`; see tests/workers/multiprocess_jax_worker.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.xla_flags import child_env
 
-WORKER = Path(__file__).with_name("multiprocess_jax_worker.py")
+WORKER = Path(__file__).parent / "workers" / "multiprocess_jax_worker.py"
 pytestmark = pytest.mark.slow
 
 

@@ -15,11 +15,11 @@ import keras_autoshard as ka  # noqa: E402
 from keras_autoshard import MeshSpec  # noqa: E402
 from keras_autoshard.apply.tensor_parallel_setup import resolve_backend  # noqa: E402
 from keras_autoshard.errors import PlanError, TensorParallelError  # noqa: E402
-from tests import tensorflow_backend_worker as worker  # noqa: E402
+from tests.workers import tensorflow_backend_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "tensorflow_backend_worker.py")
+WORKER = os.path.join(ROOT, "tests", "workers", "tensorflow_backend_worker.py")
 DEVICES = 4
 RUN_TIMEOUT_S = 240
 RTOL = 1e-5

@@ -22,11 +22,11 @@ from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     TorchSetupError,
     ensure_process_group,
 )
-from tests import torch_parity_worker as worker  # noqa: E402
+from tests.workers import torch_parity_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "torch_parity_worker.py")
+WORKER = os.path.join(ROOT, "tests", "workers", "torch_parity_worker.py")
 RUN_TIMEOUT_S = 240
 _RUNS: dict = {}
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests import torch_parity_worker as worker  # noqa: E402
-from tests.torch_launch import rank_results, torchrun  # noqa: E402
+from tests.workers import torch_parity_worker as worker  # noqa: E402
+from tests.workers.torch_launch import rank_results, torchrun  # noqa: E402
 
 WORKER = "torch_build_worker.py"
 

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch")
 
 import keras_autoshard as ka  # noqa: E402
-from tests import torch_parity_worker as worker  # noqa: E402
-from tests.torch_launch import rank_results, torchrun  # noqa: E402
+from tests.workers import torch_parity_worker as worker  # noqa: E402
+from tests.workers.torch_launch import rank_results, torchrun  # noqa: E402
 
 WORKER = "torch_checkpoint_worker.py"
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.torch_launch import rank_results, torchrun  # noqa: E402
+from tests.workers.torch_launch import rank_results, torchrun  # noqa: E402
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ through a static rendezvous, as on two hosts. The workers join with
 `keras_autoshard.distributed.initialize()`, train a 2x2 (batch x model) plan: data
 parallel across the nodes, tensor parallel within each, every rank
 generating only its rows of the global batch. See the `multinode` mode of
-tests/torch_parity_worker.py.
+tests/workers/torch_parity_worker.py.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests import torch_parity_worker as worker  # noqa: E402
+from tests.workers import torch_parity_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("torch_parity_worker.py")
+WORKER = Path(__file__).parent / "workers" / "torch_parity_worker.py"
 NODES, RANKS_PER_NODE = 2, 2
 JOB_TIMEOUT_S = 150
 STOP_TIMEOUT_S = 30

@@ -14,8 +14,8 @@ import keras_autoshard as ka
 
 pytest.importorskip("torch")
 
-from tests import torch_parity_worker as worker  # noqa: E402
-from tests.torch_launch import rank_results, torchrun  # noqa: E402
+from tests.workers import torch_parity_worker as worker  # noqa: E402
+from tests.workers.torch_launch import rank_results, torchrun  # noqa: E402
 
 CASES = [("mlp", "1x2"), ("mlp", "2x2"), ("gpt2", "1x2")]
 

@@ -7,7 +7,7 @@ The check registered first below runs after the library's exit cleanup
 (atexit runs the last registered first) and writes `rank<r>.json`:
 {"running": gloo's threads after the step, "at_exit": those still alive}.
 
-Usage: torchrun --nproc-per-node 2 tests/torch_exit_worker.py OUT
+Usage: torchrun --nproc-per-node 2 tests/workers/torch_exit_worker.py OUT
 """
 
 import atexit
@@ -44,7 +44,9 @@ def _report(out_dir: str) -> None:
 if __name__ == "__main__":
     atexit.register(_report, sys.argv[1])
     os.environ["KERAS_BACKEND"] = "torch"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
 
     import keras
     import numpy as np

@@ -17,8 +17,8 @@ steps on this rank's rows, then:
 
 Writes `rank<r>.json`: {"ok": bool, "problems": [...], "bytes_read": ...}.
 
-Usage: torchrun --nproc-per-node N tests/torch_weights_worker.py MODEL DxM OUT JAX_FILE
-    BAD_FILE
+Usage: torchrun --nproc-per-node N tests/workers/torch_weights_worker.py MODEL DxM OUT
+    JAX_FILE BAD_FILE
 """
 
 import json
@@ -28,7 +28,9 @@ import traceback
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     from tests import no_tensorflow
 
     no_tensorflow.hide()
@@ -45,8 +47,8 @@ from keras_autoshard.io.torch.dtensor_shards import (  # noqa: E402
     is_dtensor,
     local_slice_index,
 )
-from tests.torch_launch import finish_rank  # noqa: E402
-from tests.torch_parity_worker import BATCH, adam, batch, build  # noqa: E402
+from tests.workers.torch_launch import finish_rank  # noqa: E402
+from tests.workers.torch_parity_worker import BATCH, adam, batch, build  # noqa: E402
 
 TRAIN_STEPS = 3
 

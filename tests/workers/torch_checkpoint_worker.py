@@ -23,7 +23,7 @@ Modes:
 
 Writes `rank<r>.json`: {"ok": bool, "problems": [...]}.
 
-Usage: torchrun --nproc-per-node N tests/torch_checkpoint_worker.py MODE DxM OUT
+Usage: torchrun --nproc-per-node N tests/workers/torch_checkpoint_worker.py MODE DxM OUT
 """
 
 import json
@@ -36,16 +36,18 @@ import traceback
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard.io.torch.dtensor_shards import full_numpy  # noqa: E402
-from tests.torch_launch import finish_rank  # noqa: E402
-from tests.torch_parity_worker import adam, batch, build  # noqa: E402
-from tests.torch_weights_worker import rows_of_rank  # noqa: E402
+from tests.workers.torch_launch import finish_rank  # noqa: E402
+from tests.workers.torch_parity_worker import adam, batch, build  # noqa: E402
+from tests.workers.torch_weights_worker import rows_of_rank  # noqa: E402
 
 SAVED_STEP = 3
 MORE_STEPS = 5

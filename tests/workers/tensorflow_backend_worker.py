@@ -1,6 +1,6 @@
 """The TensorFlow-backend side of tests/test_tensorflow_backend.py.
 
-Run as `python tests/tensorflow_backend_worker.py DEVICES OUT.json` with
+Run as `python tests/workers/tensorflow_backend_worker.py DEVICES OUT.json` with
 `KERAS_BACKEND=tensorflow`: splits the CPU into DEVICES logical devices, then
 - trains each model 5 Adam steps on one device and data parallel over all
   devices (`TensorParallel(world_size=1)` given a built model or a builder,
@@ -171,5 +171,7 @@ def main(devices, out_path):
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "tensorflow"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     main(int(sys.argv[1]), sys.argv[2])

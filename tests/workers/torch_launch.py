@@ -8,7 +8,7 @@ import sys
 
 from tests.xla_flags import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT_S = 240
 
 
@@ -25,7 +25,7 @@ def torchrun(ranks: int, worker: str, args: list[str]) -> subprocess.CompletedPr
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
-        os.path.join(ROOT, "tests", worker), *args,
+        os.path.join(ROOT, "tests", "workers", worker), *args,
     ]  # fmt: skip
     return subprocess.run(
         command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S

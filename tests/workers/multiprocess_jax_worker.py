@@ -2,11 +2,11 @@
 
 Run by tests/test_multiprocess_jax.py:
 
-    python tests/multiprocess_jax_worker.py fit OUT --processes 2 --process-id I
+    python tests/workers/multiprocess_jax_worker.py fit OUT --processes 2 --process-id I
         --port P --checkpoint DIR      # 2 processes x 4 simulated devices
-    python tests/multiprocess_jax_worker.py fit OUT --processes 1   # 1 x 8
-    python tests/multiprocess_jax_worker.py restore OUT --checkpoint DIR
-    python tests/multiprocess_jax_worker.py die OUT --processes 2 --process-id I
+    python tests/workers/multiprocess_jax_worker.py fit OUT --processes 1   # 1 x 8
+    python tests/workers/multiprocess_jax_worker.py restore OUT --checkpoint DIR
+    python tests/workers/multiprocess_jax_worker.py die OUT --processes 2 --process-id I
         --port P                       # process 1 is killed mid-training
 
 Each writes a JSON result to OUT (per process).
@@ -37,7 +37,9 @@ def main() -> int:
     parser.add_argument("--mesh", default="2x4", help="batch x model")
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     from tests import no_tensorflow
 
     no_tensorflow.hide()

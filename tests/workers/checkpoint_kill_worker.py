@@ -1,7 +1,7 @@
 """A process that saves checkpoints until it is killed (run by
 `test_checkpoint_kill.py`).
 
-Usage: `python -m tests.checkpoint_kill_worker DIRECTORY MODE`
+Usage: `python -m tests.workers.checkpoint_kill_worker DIRECTORY MODE`
 
 It saves step 1 and prints `SAVED 1`; then, in mode `loop`, saves steps 2, 3,
 ... printing `SAVING k` / `SAVED k` around each; in mode `async-then-die`, it

@@ -5,7 +5,8 @@ the sharded copy), plans the sharded one with the JAX planner, and compares
 forward outputs, gradients and 5 Adam steps. Writes `rank<r>.json` into the
 output directory: {"ok": bool, "problems": [...], figures...}.
 
-Usage: torchrun --nproc-per-node N tests/torch_parity_worker.py MODEL DxM OUT [MODE]
+Usage: torchrun --nproc-per-node N tests/workers/torch_parity_worker.py MODEL DxM OUT
+    [MODE]
 
 With `kill`, rank 1 SIGKILLs itself at the start of the third training step
 (after writing the time to `killed_at`); the other ranks are left waiting in
@@ -28,7 +29,9 @@ import time
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     from tests import no_tensorflow
 
     no_tensorflow.hide()
@@ -47,7 +50,7 @@ from keras_autoshard.runtime.torch_processes import (  # noqa: E402
     ensure_process_group,
     local_batch_rows,
 )
-from tests.torch_launch import finish_rank  # noqa: E402
+from tests.workers.torch_launch import finish_rank  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 5

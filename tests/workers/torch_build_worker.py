@@ -16,7 +16,7 @@ Modes:
 Each rank writes `rank<r>.json`: {"ok", "problems", "parameter_bytes",
 "model_bytes"}.
 
-Usage: torchrun --nproc-per-node N tests/torch_build_worker.py MODE ...
+Usage: torchrun --nproc-per-node N tests/workers/torch_build_worker.py MODE ...
 """
 
 import json
@@ -26,7 +26,9 @@ import traceback
 
 if __name__ == "__main__":
     os.environ["KERAS_BACKEND"] = "torch"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
     from tests import no_tensorflow
 
     no_tensorflow.hide()
@@ -37,9 +39,9 @@ import torch  # noqa: E402
 
 import keras_autoshard as ka  # noqa: E402
 from keras_autoshard.io.torch.dtensor_shards import full_numpy  # noqa: E402
-from tests.torch_launch import finish_rank  # noqa: E402
-from tests.torch_parity_worker import batch, build  # noqa: E402
-from tests.torch_weights_worker import compare_with_file, rows_of_rank  # noqa: E402
+from tests.workers.torch_launch import finish_rank  # noqa: E402
+from tests.workers.torch_parity_worker import batch, build  # noqa: E402
+from tests.workers.torch_weights_worker import compare_with_file, rows_of_rank  # noqa: E402
 
 
 def mesh_of(text: str) -> ka.MeshSpec:

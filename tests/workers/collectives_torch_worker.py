@@ -6,7 +6,8 @@ gradients with the single-process computation on the whole tensors (float64).
 Writes `rank<r>.json` into the output directory:
 `{"rank": r, "world_size": n, "failures": {check: message}, "checks": [...]}`.
 
-Usage: python tests/collectives_torch_worker.py RANK WORLD_SIZE INIT_FILE OUT_DIR
+Usage: python tests/workers/collectives_torch_worker.py RANK WORLD_SIZE INIT_FILE
+    OUT_DIR
 """
 
 import datetime
@@ -15,7 +16,9 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
