@@ -46,8 +46,8 @@ TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5")
 # stateless-scope and custom-VJP seams), Orbax checkpoints and sharded loading,
 # PyTorch ranks, the TensorFlow backend, multi-process JAX and the command line.
 TEST_SUBSET = (
-    "tests/test_compat.py",
-    "tests/test_devices.py",
+    "tests/compat/test_compat.py",
+    "tests/runtime/test_devices.py",
     "tests/test_auto_distribution_scoping.py",
     "tests/test_tensor_parallel.py",
     "tests/test_remat_wrapped.py",
@@ -57,7 +57,7 @@ TEST_SUBSET = (
     "tests/test_torch_backend.py",
     "tests/test_torch_checkpoint.py",
     "tests/test_tensorflow_backend.py",
-    "tests/test_multiprocess_jax.py",
+    "tests/runtime/test_multiprocess_jax.py",
     "tests/test_compiled_report.py",
     "tests/test_cli.py",
     "tests/test_readme.py",

@@ -1,4 +1,4 @@
-"""One gloo rank of tests/test_collectives_torch.py.
+"""One gloo rank of tests/runtime/test_collectives_torch.py.
 
 Every rank builds the same seeded global tensors, runs each collective on its
 own part in float32 (forward and `.backward()`), and compares the values and

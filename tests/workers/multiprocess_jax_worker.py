@@ -1,6 +1,6 @@
 """One process of a multi-process JAX job (or the one-process reference).
 
-Run by tests/test_multiprocess_jax.py:
+Run by tests/runtime/test_multiprocess_jax.py:
 
     python tests/workers/multiprocess_jax_worker.py fit OUT --processes 2 --process-id I
         --port P --checkpoint DIR      # 2 processes x 4 simulated devices

@@ -18,7 +18,7 @@ import pytest
 
 from tests.xla_flags import child_env
 
-WORKER = Path(__file__).parent / "workers" / "multiprocess_jax_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "multiprocess_jax_worker.py"
 pytestmark = pytest.mark.slow
 
 

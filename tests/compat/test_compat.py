@@ -13,7 +13,7 @@ import sys
 from keras_autoshard.compat import jax_private, keras_private, torch_private
 from tools import python_source
 
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_autoshard"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "keras_autoshard"
 COMPAT_ROOT = PACKAGE_ROOT / "compat"
 
 # Private attributes of Keras and JAX objects that only compat may touch.

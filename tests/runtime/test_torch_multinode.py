@@ -26,7 +26,7 @@ from tests.xla_flags import child_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).parent / "workers" / "torch_parity_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "torch_parity_worker.py"
 NODES, RANKS_PER_NODE = 2, 2
 JOB_TIMEOUT_S = 150
 STOP_TIMEOUT_S = 30

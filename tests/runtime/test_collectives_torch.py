@@ -29,7 +29,7 @@ from keras_autoshard.runtime.collectives import (  # noqa: E402
 )
 from tests.workers.collectives_torch_worker import CHECKS  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "collectives_torch_worker.py"
 WORLD_SIZES = (2, 4)
 TIMEOUT_S = 120
