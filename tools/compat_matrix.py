@@ -50,7 +50,7 @@ TEST_SUBSET = (
     "tests/runtime/test_devices.py",
     "tests/test_auto_distribution_scoping.py",
     "tests/test_tensor_parallel.py",
-    "tests/test_remat_wrapped.py",
+    "tests/graph/test_remat_wrapped.py",
     "tests/test_remat_tied_gradients.py",
     "tests/test_checkpoint_orbax.py",
     "tests/test_checkpoint_loading.py",

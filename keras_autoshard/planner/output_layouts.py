@@ -97,7 +97,7 @@ def made_batch_layouts(
     A GAN's step draws its latent vectors and feeds the generated images
     to the discriminator: no data layout reaches them, so XLA would run a
     layer that reads them on every row on every device (measured on the
-    GAN of `tests/test_gan_train_step.py` on 8x1: the discriminator's
+    GAN of `tests/trace/test_gan_train_step.py` on 8x1: the discriminator's
     convolution in the generator's loss ran on all 8 rows on every
     device). Each such layer's output gets its planned layout instead, the
     batch cut as planned.
