@@ -5,7 +5,7 @@ A program written here, whose printed (compiled) order makes two large
 temporaries before reducing either: 3096 bytes live at its peak; a list
 schedule or the post order reduces each before making the next: 2076.
 On compiled programs the replay of XLA's own order is checked against
-XLA's memory analysis in `tests/test_memory_estimate.py`.
+XLA's memory analysis in `tests/planner/test_memory_estimate.py`.
 """
 
 import jax

@@ -236,7 +236,7 @@ def storage_cut_layouts(
       the first residual add (an all-to-all of a position table's output);
       pinned whole, it is gathered first.
 
-    Measured on that OPT plan (`tests/test_planner_vs_baselines.py`): every
+    Measured on that OPT plan (`tests/planner/test_planner_vs_baselines.py`): every
     storage-cut layer pinned moved 7.34 MB per step, the two lookups only
     7.02 MB, the position lookup only 6.95 MB, no pin 6.90 MB; this rule
     pins none there, and still pins Gemma's lookup where nothing else cuts

@@ -55,9 +55,9 @@ MEMORY_SCHEDULE_ON_CPU = {
 # compiles faster. Not for programs that run: unoptimized machine code runs
 # slower, and rounds differently (no fused multiply-adds, other reduction
 # orders), which a model whose training amplifies rounding shows (the OPT
-# five-step parity of `tests/test_planner.py` moves by 6e-4 under a 1e-7
-# nudge of its weights). A caller's own `xla_backend_optimization_level`
-# wins.
+# five-step parity of `tests/planner/test_plans_end_to_end.py` moves by
+# 6e-4 under a 1e-7 nudge of its weights). A caller's own
+# `xla_backend_optimization_level` wins.
 READ_NOT_RUN = {"xla_backend_optimization_level": 0}
 
 

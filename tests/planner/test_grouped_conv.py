@@ -93,7 +93,7 @@ def narrow_depthwise_model():
 def test_a_depthwise_conv_whose_channels_do_not_divide_cuts_the_batch_everywhere():
     # The channels (6) cannot take 'model' (4), so the batch cut over 'batch'
     # alone would break the filter gradient: it is cut over both axes
-    # (`MeshAxis.spanning`, tests/test_spanning_batch.py), where it was kept
+    # (`MeshAxis.spanning`, tests/planner/test_spanning_batch.py), where it was kept
     # whole before.
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 16, 8)).astype("float32")

@@ -26,7 +26,7 @@ from keras_autoshard.building import build_abstract
 from keras_autoshard.testing.real_size_models import TARGET, RealSizeRow, plan_row
 from keras_autoshard.testing.reduced_depth import pinned_estimate, restricted_plan
 
-CONFIG = pathlib.Path(__file__).parents[1] / "examples" / "configs" / "llama2_70b.json"
+CONFIG = pathlib.Path(__file__).parents[2] / "examples" / "configs" / "llama2_70b.json"
 REMATERIALIZED = 2
 
 

@@ -2,7 +2,7 @@
 grouped convolution would otherwise keep it whole.
 
 XLA computes a grouped convolution's filter gradient wrong unless every mesh
-axis cuts its input once the batch is cut (`tests/test_grouped_conv.py`). When
+axis cuts its input once the batch is cut (`tests/planner/test_grouped_conv.py`). When
 the convolution's channels cannot take the other axes, the planner searches
 again with an axis spanning the mesh's (`MeshAxis.spanning`): the batch cut
 over all of them satisfies the rule and every device computes its own rows.
