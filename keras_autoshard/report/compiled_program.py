@@ -51,7 +51,7 @@ MEMORY_SCHEDULE_ON_CPU = {
 # collectives), never run. XLA's backend optimization level sets how hard
 # LLVM optimizes the machine code only: the HLO passes, the schedule and the
 # buffer assignment are the same at every level
-# (`tests/test_compiled_report.py` compares both), and the lowest level
+# (`tests/report/test_compiled_report.py` compares both), and the lowest level
 # compiles faster. Not for programs that run: unoptimized machine code runs
 # slower, and rounds differently (no fused multiply-adds, other reduction
 # orders), which a model whose training amplifies rounding shows (the OPT

@@ -1,4 +1,4 @@
-"""The TensorFlow-backend side of tests/test_tensorflow_backend.py.
+"""The TensorFlow-backend side of tests/apply/tensorflow/test_tensorflow_backend.py.
 
 Run as `python tests/workers/tensorflow_backend_worker.py DEVICES OUT.json` with
 `KERAS_BACKEND=tensorflow`: splits the CPU into DEVICES logical devices, then

@@ -6,7 +6,7 @@ import re
 
 from keras_autoshard import PlanDistribution, inspect_compiled
 from keras_autoshard.testing import zoo
-from tests.test_parity_handwritten import mlp_plan
+from tests.apply.test_parity_handwritten import mlp_plan
 from tests.xla_flags import SUITE_XLA_FLAGS
 
 BATCH, SEQ, HIDDEN = zoo.BATCH, zoo.MLP_SEQ, zoo.HIDDEN

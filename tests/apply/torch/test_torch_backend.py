@@ -25,7 +25,9 @@ from keras_autoshard.runtime.torch_processes import (  # noqa: E402
 from tests.workers import torch_parity_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 WORKER = os.path.join(ROOT, "tests", "workers", "torch_parity_worker.py")
 RUN_TIMEOUT_S = 240
 _RUNS: dict = {}

@@ -18,7 +18,9 @@ from keras_autoshard.errors import PlanError, TensorParallelError  # noqa: E402
 from tests.workers import tensorflow_backend_worker as worker  # noqa: E402
 from tests.xla_flags import child_env  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 WORKER = os.path.join(ROOT, "tests", "workers", "tensorflow_backend_worker.py")
 DEVICES = 4
 RUN_TIMEOUT_S = 240
