@@ -27,7 +27,7 @@ steps the most was +2.7 %, the Llama's free plan on 2x4). XLA:GPU ignores
 it. BENCHMARKS.md's memory-truth figures are compiled with XLA's defaults.
 
 The user-experience tests (`tests/test_readme.py`, `tests/test_wheel.py`,
-`tests/test_cli_target.py`, `tests/runtime/test_devices.py`) run subprocesses with
+`tests/cli/test_cli_target.py`, `tests/runtime/test_devices.py`) run subprocesses with
 XLA's defaults, as a user's shell has them.
 """
 

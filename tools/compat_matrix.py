@@ -52,14 +52,14 @@ TEST_SUBSET = (
     "tests/apply/test_tensor_parallel.py",
     "tests/graph/test_remat_wrapped.py",
     "tests/apply/test_remat_tied_gradients.py",
-    "tests/test_checkpoint_orbax.py",
-    "tests/test_checkpoint_loading.py",
+    "tests/checkpoint/test_checkpoint_orbax.py",
+    "tests/checkpoint/test_checkpoint_loading.py",
     "tests/apply/torch/test_torch_backend.py",
-    "tests/test_torch_checkpoint.py",
+    "tests/checkpoint/test_torch_checkpoint.py",
     "tests/apply/tensorflow/test_tensorflow_backend.py",
     "tests/runtime/test_multiprocess_jax.py",
     "tests/report/test_compiled_report.py",
-    "tests/test_cli.py",
+    "tests/cli/test_cli.py",
     "tests/test_readme.py",
 )
 

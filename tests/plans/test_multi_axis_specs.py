@@ -180,7 +180,7 @@ def test_a_checkpoint_saved_under_a_multi_axis_plan_restores_bit_exactly(tmp_pat
     # Saved with its plan (tuple entries stored as JSON lists), restored onto
     # the Megatron layout of the same mesh, and back onto the multi-axis one.
     from keras_autoshard import restore_checkpoint, save_checkpoint
-    from tests.test_checkpoint_orbax import (
+    from tests.checkpoint.test_checkpoint_orbax import (
         assert_same_state,
         compiled_mlp,
         mlp_plan,

@@ -13,7 +13,7 @@ import pytest
 
 from tests.xla_flags import child_env
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT2_CONFIG = {
     "vocabulary_size": 1024,
     "num_layers": 2,

@@ -19,7 +19,7 @@ from keras_autoshard import (
 from keras_autoshard.checkpoint.steps import complete_steps
 from tests.workers import checkpoint_kill_worker as worker
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 120
 TMP_MARKER = ".orbax-checkpoint-tmp"
 

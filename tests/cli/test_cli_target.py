@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_cli import REPO_ROOT, explain
+from tests.cli.test_cli import REPO_ROOT, explain
 
 LLAMA_CONFIG = {
     "vocabulary_size": 1024,

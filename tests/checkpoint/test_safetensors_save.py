@@ -2,7 +2,7 @@
 (keys: Keras weights-file keys), one tensor at a time: the safetensors
 library reads it back bit for bit, and `load_weights_sharded` loads it into
 another sharded model on another mesh bit for bit. The torch side is in
-`tests/test_torch_weights.py`."""
+`tests/checkpoint/test_torch_weights.py`."""
 
 import json
 import struct
@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from keras_autoshard import MeshSpec, load_weights_sharded, save_safetensors
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.io.keras_weights_layout import keras_h5_keys
-from tests.test_checkpoint_loading import (
+from tests.checkpoint.test_checkpoint_loading import (
     assert_same_values,
     mlp_plan,
     seeded_mlp,
