@@ -1,5 +1,5 @@
 """A process that saves checkpoints until it is killed (run by
-`test_checkpoint_kill.py`).
+`tests/checkpoint/test_checkpoint_kill.py`).
 
 Usage: `python -m tests.workers.checkpoint_kill_worker DIRECTORY MODE`
 
