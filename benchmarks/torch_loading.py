@@ -50,7 +50,7 @@ MiB = 2**20
 
 def launch(mode: str, path: str, layers: int, out_dir: str) -> list[dict]:
     """One torchrun launch; every rank's result."""
-    from tests.torch_launch import free_port
+    from tests.workers.torch_launch import free_port
 
     env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("XLA_FLAGS", None)

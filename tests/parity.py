@@ -31,7 +31,7 @@ def outputs_and_gradients(model, x, y):
     """The forward output leaves and the gradients of the mean squared error
     w.r.t. the trainable variables, from one jitted program (as `predict`
     and `fit` run a model: jitted, not op by op; a model called eagerly
-    under a plan is checked in `tests/test_other_shapes.py`)."""
+    under a plan is checked in `tests/graph/test_other_shapes.py`)."""
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
 

@@ -52,7 +52,7 @@ EVERY_MESH = ("2x4", "8x1", "1x8")
 GROUPED_CONV = (
     "XLA's partitioner (jax 0.10.2) over-reduces a grouped convolution's "
     "filter gradient when the batch is cut over part of the mesh only "
-    "(tests/test_grouped_conv.py), so on 2x4 the planner needs the conv's "
+    "(tests/planner/test_grouped_conv.py), so on 2x4 the planner needs the conv's "
     "channels on 'model' as well, and here they cannot all take it: the "
     "batch goes over both axes"
 )

@@ -5,7 +5,7 @@ subprocesses it starts.
 every XLA:CPU program without optimizing it. The level acts after every HLO
 pass: the optimized HLO, the schedule and the buffer assignment (what the
 tests read: collectives, bytes, memory analysis) are the ones the default
-level makes (`tests/test_compiled_report.py` compares both on a planned,
+level makes (`tests/report/test_compiled_report.py` compares both on a planned,
 rematerialized GPT-2 train step), and the programs run the same operations.
 Compiling takes about half as long (the coverage sweep's, 780 s -> 430 s
 in a whole-suite run), running them longer, which the suite's small models
@@ -22,12 +22,12 @@ every unfused instruction in a fusion of its own. It halves compiling again
 6.4 s -> under 3 s) and changes neither the HLO passes' collectives nor a
 program's argument, output and aliased bytes; the wrapped fusions move the
 memory scheduler's ties, so temporary bytes may differ by a little
-(`tests/test_compiled_report.py`: GPT-2 128 bytes; over the zoo's train
+(`tests/report/test_compiled_report.py`: GPT-2 128 bytes; over the zoo's train
 steps the most was +2.7 %, the Llama's free plan on 2x4). XLA:GPU ignores
 it. BENCHMARKS.md's memory-truth figures are compiled with XLA's defaults.
 
 The user-experience tests (`tests/test_readme.py`, `tests/test_wheel.py`,
-`tests/test_cli_target.py`, `tests/test_devices.py`) run subprocesses with
+`tests/cli/test_cli_target.py`, `tests/runtime/test_devices.py`) run subprocesses with
 XLA's defaults, as a user's shell has them.
 """
 

@@ -6,7 +6,7 @@ keeps, the locals of a Keras trainer frame) in a small named function that
 says what it does, the versions it was checked on, and what breaks for the
 user if it changes. Version differences are branched there and nowhere
 else. Each module's `missing_privates()` lists what the installed Keras,
-JAX or PyTorch no longer has (`tests/test_compat.py` asserts the lists are
+JAX or PyTorch no longer has (`tests/compat/test_compat.py` asserts the lists are
 empty); the checks share `checks.failing` and `checks.attribute`.
 
 Nothing here is imported by `import keras_autoshard`, and no module here

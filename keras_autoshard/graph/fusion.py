@@ -39,7 +39,7 @@ MATERIALISED_ON_ACCELERATORS = {
 # Of those, the ones whose operand the forward fusion emits too, for the
 # derivative (`exp(-u^2)` of `erfc(u)`): a Keras exact GELU after a biased
 # Dense keeps `u = -x / sqrt(2)` beside `erfc(u)` (ViT-22B widths; the
-# stack in `tests/test_residual_fusion_gpu.py`). Not measured for the others.
+# stack in `tests/planner/test_residual_fusion_gpu.py`). Not measured for the others.
 OPERAND_EMITTED = frozenset({"erfc"})
 
 
@@ -182,7 +182,7 @@ def _pooling_indices(builder: Any) -> tuple[Kept, ...]:
     broadcast and holds the ReLU's copy, one more buffer of the input's
     size, from the forward pass on. Read off XLA:GPU's buffers: a
     convolution, a pooling and a Dense on 8x1 and 2x4
-    (`tests/test_pooling_gpu.py`)."""
+    (`tests/planner/test_pooling_gpu.py`)."""
     kept = []
     for source, (output, layer) in sorted(builder.poolings.items()):
         if source in builder.constant_like:

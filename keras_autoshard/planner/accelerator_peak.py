@@ -131,7 +131,7 @@ def accelerator_peak(
         # 1.16 of the compiled peak); where an MLP's activation is the
         # largest, the backward pass of the activation holds the gradients
         # of its output and its input at once, the second not counted
-        # (`tests/test_residual_fusion_gpu.py`); a precision cast's two
+        # (`tests/planner/test_residual_fusion_gpu.py`); a precision cast's two
         # are, below. Several products' input gradients beside their sum,
         # or split partials, are (`split_k.gradient_buffers`).
         size *= gradient_buffers_of.get(tensor.id, 1)
@@ -168,7 +168,7 @@ def accelerator_peak(
     # 1024-wide Dense layers on 2x4 under `mixed_bfloat16` peak with one
     # combined bfloat16 all-reduce, 3 MiB operand and result, where float32
     # would be 6 MiB each; six 8192-wide ones on 8x1, each kernel's reduced
-    # alone, hold them in bfloat16 too: `tests/test_held_gradients_gpu.py`).
+    # alone, hold them in bfloat16 too: `tests/planner/test_held_gradients_gpu.py`).
     # One no batch axis reduces is widened where it is made (1x8). Not
     # followed: a weight stored cut over the batch axis whose gradient XLA
     # all-reduces whole, then widens and holds whole in float32 before it

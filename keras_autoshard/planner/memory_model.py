@@ -353,7 +353,7 @@ def _staged_peak(
 # data adapters hand float data over as `floatx` (float32), and the loss
 # casts it; under `mixed_bfloat16` a bfloat16 output's target is still
 # float32. Measured: one Dense layer under `mixed_bfloat16`, 8x1 for 8 H100s
-# (tests/test_held_gradients_gpu.py), estimated 2.69 MiB against 3.16
+# (tests/planner/test_held_gradients_gpu.py), estimated 2.69 MiB against 3.16
 # compiled while the target counted as bfloat16; the 1 MiB float32 target
 # on each device was the 0.47 MiB missing.
 TARGET_ITEMSIZE = 4

@@ -97,7 +97,7 @@ def made_batch_layouts(
     A GAN's step draws its latent vectors and feeds the generated images
     to the discriminator: no data layout reaches them, so XLA would run a
     layer that reads them on every row on every device (measured on the
-    GAN of `tests/test_gan_train_step.py` on 8x1: the discriminator's
+    GAN of `tests/trace/test_gan_train_step.py` on 8x1: the discriminator's
     convolution in the generator's loss ran on all 8 rows on every
     device). Each such layer's output gets its planned layout instead, the
     batch cut as planned.
@@ -236,7 +236,7 @@ def storage_cut_layouts(
       the first residual add (an all-to-all of a position table's output);
       pinned whole, it is gathered first.
 
-    Measured on that OPT plan (`tests/test_planner_vs_baselines.py`): every
+    Measured on that OPT plan (`tests/planner/test_planner_vs_baselines.py`): every
     storage-cut layer pinned moved 7.34 MB per step, the two lookups only
     7.02 MB, the position lookup only 6.95 MB, no pin 6.90 MB; this rule
     pins none there, and still pins Gemma's lookup where nothing else cuts

@@ -37,7 +37,7 @@ largest layer's recomputed residuals, as a schedule that runs each update
 last would hold them. The estimate reports the fullest stage, which is
 lower; the row leaves that difference as margin (measured on XLA:CPU: a
 schedule may also run weight-gradient matmuls late, keeping their
-operands, `tests/test_memory_estimate.py`).
+operands, `tests/planner/test_memory_estimate.py`).
 """
 
 from __future__ import annotations

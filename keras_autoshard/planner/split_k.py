@@ -39,7 +39,7 @@ table read by a gather is a scatter-add, not a product: never split.
 
 The same splits hold for the other products of a layer on few tokens,
 read off the compiled programs of the zoo and of
-`tests/test_split_products_gpu.py`: a forward product whose output only
+`tests/planner/test_split_products_gpu.py`: a forward product whose output only
 elementwise work reads keeps its partials for the backward pass
 (`kept_partials_factors`), and the input gradient of an activation is
 split too, each product's partials live until one fusion sums them with

@@ -16,9 +16,10 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 
 # Share of the budget a plan's estimate leaves free for its error against
 # the compiled program's peak, per compiler: the worst under-estimate
-# measured there. XLA:CPU (scheduled for memory, `tests/test_memory_estimate.py`,
-# BENCHMARKS.md "memory truth"): estimate / compiled peak 0.86 to 1.14 over
-# the 65 zoo rows, so 14 %. XLA:GPU at real widths (BENCHMARKS.md
+# measured there. XLA:CPU (scheduled for memory,
+# `tests/planner/test_memory_estimate.py`, BENCHMARKS.md "memory truth"):
+# estimate / compiled peak 0.86 to 1.14 over the 65 zoo rows, so 14 %.
+# XLA:GPU at real widths (BENCHMARKS.md
 # "real-size memory truth on XLA:GPU", `benchmarks/real_size_gpu.py`): the
 # worst is 0.977 (Llama-2-70B on 32x8, 58.98 against 60.36 GiB), so 3 %
 # would do there; the zoo's small plans reach 0.76 (`HEADROOM_BYTES`), and a

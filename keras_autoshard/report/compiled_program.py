@@ -51,13 +51,13 @@ MEMORY_SCHEDULE_ON_CPU = {
 # collectives), never run. XLA's backend optimization level sets how hard
 # LLVM optimizes the machine code only: the HLO passes, the schedule and the
 # buffer assignment are the same at every level
-# (`tests/test_compiled_report.py` compares both), and the lowest level
+# (`tests/report/test_compiled_report.py` compares both), and the lowest level
 # compiles faster. Not for programs that run: unoptimized machine code runs
 # slower, and rounds differently (no fused multiply-adds, other reduction
 # orders), which a model whose training amplifies rounding shows (the OPT
-# five-step parity of `tests/test_planner.py` moves by 6e-4 under a 1e-7
-# nudge of its weights). A caller's own `xla_backend_optimization_level`
-# wins.
+# five-step parity of `tests/planner/test_plans_end_to_end.py` moves by
+# 6e-4 under a 1e-7 nudge of its weights). A caller's own
+# `xla_backend_optimization_level` wins.
 READ_NOT_RUN = {"xla_backend_optimization_level": 0}
 
 

@@ -4,8 +4,8 @@ compiles to against KerasHub's own layout map.
 Each class (one layer, 8 experts, top 2) is planned by `plan` on a 2x4
 (data x model) mesh and one MSE/Adam training step compiled under the plan
 and, where the class ships `get_layout_map`, under KerasHub's map
-(`measure`). `tests/test_moe_hub.py` and `benchmarks/moe_experts.py` use
-the same configs.
+(`measure`). `tests/planner/test_moe_hub.py` and `benchmarks/moe_experts.py`
+use the same configs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The rules of cuDNN's fused attention (`graph/jaxpr/fused_attention.py`)
 on tiny jaxprs, traced on a CPU by answering JAX's cuDNN version probe as a
-GPU machine does (as `tests/test_fused_attention.py` does)."""
+GPU machine does (as `tests/planner/test_fused_attention_end_to_end.py` does)."""
 
 import jax
 
@@ -12,7 +12,7 @@ from tests.graph.jaxpr.small_graphs import (
     named,
     output,
 )
-from tests.test_fused_attention import cudnn_found
+from tests.planner.test_fused_attention_end_to_end import cudnn_found
 
 KERNEL = "contracted inside cuDNN's fused attention"
 
