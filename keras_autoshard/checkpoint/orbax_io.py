@@ -32,7 +32,7 @@ from keras_autoshard.checkpoint.steps import (
     complete_steps,
     latest_step,
 )
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_saving
 from keras_autoshard.errors import CheckpointError, PlanError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 
@@ -467,7 +467,7 @@ def load_model_sharded(
         distribution.scope() if distribution is not None else contextlib.nullcontext()
     )
     with scope:
-        model = keras_private.model_from_config_json(config_json, compile=compile)
+        model = keras_saving.model_from_config_json(config_json, compile=compile)
         restored = restore_checkpoint(model, directory, step)
     return model, restored
 
@@ -509,7 +509,7 @@ def model_state_tree(model) -> dict[str, Any]:
         "metrics_variables": model.metrics_variables,
     }
     return {
-        name: keras_private.nested_state_dict(model, variables)
+        name: keras_saving.nested_state_dict(model, variables)
         for name, variables in groups.items()
     }
 
@@ -572,7 +572,7 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 def _model_config_json(model) -> str:
     try:
-        return keras_private.model_config_json(model)
+        return keras_saving.model_config_json(model)
     except Exception as error:
         raise CheckpointError(
             f"Model {model.name!r} cannot be serialised to a config ({error}). "
