@@ -25,7 +25,7 @@ _TYPES = {
     "CompiledReport": "keras_autoshard.report.compiled_report",
     "TargetCompile": "keras_autoshard.apply.jax.target_compile",
     "LoadReport": "keras_autoshard.checkpoint.sharded_load",
-    "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_io",
+    "RestoredCheckpoint": "keras_autoshard.checkpoint.orbax_restore",
     "ClusterSpec": "keras_autoshard.runtime.cluster",
 }
 

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import keras
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_globals, keras_private
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 
 
@@ -117,7 +117,7 @@ def _checkpointed(call):
     def checkpointed_call(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         traced = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
-        scope = keras_private.current_stateless_scope()
+        scope = keras_globals.current_stateless_scope()
         recorded = _ScopeRecord(scope)
 
         def run(*arrays):

@@ -4,8 +4,10 @@ Modules, one job each:
 
 - `sharded_load`: load `.weights.h5`, `.keras`, safetensors files and KerasHub
   preset directories into a sharded model, slice by slice.
-- `orbax_io`: save and restore sharded weights and optimizer state with Orbax
-  (plan and model config stored alongside), onto any mesh.
+- `orbax_save` and `orbax_restore`: save and restore sharded weights and
+  optimizer state with Orbax (plan and model config stored alongside), onto
+  any mesh; `orbax_restore` also rebuilds a model from its stored config.
+  `orbax_record`: what a step holds besides the arrays, and Orbax's API.
 - `orbax_callback`: `ShardedOrbaxCheckpoint`, Keras's `OrbaxCheckpoint`
   callback with metadata, data-iterator state and the plan added.
 - `torch_dcp`: the same save and restore on the PyTorch backend, with

@@ -18,7 +18,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.checkpoint.orbax_io import current_plan, custom_metadata
+from keras_autoshard.checkpoint.orbax_record import current_plan, custom_metadata
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 

@@ -42,7 +42,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_variables
 from keras_autoshard.errors import CheckpointError
 from keras_autoshard.io.keras_weights_layout import OPTIMIZER_GROUP, keras_h5_keys
 from keras_autoshard.io.tensor_files import (
@@ -287,8 +287,8 @@ def from_preset(
             )
         report = load_weights_sharded(backbone, preset_dir, on_read=on_read)
         for variable in unique_variables(backbone.variables):
-            if not keras_private.has_value(variable):  # not in the weights file
-                keras_private.initialize_deferred(variable)
+            if not keras_variables.has_value(variable):  # not in the weights file
+                keras_variables.initialize_deferred(variable)
         if is_backbone:
             return backbone, report
         # The task around it: its own (small) head weights the KerasHub way.
@@ -491,8 +491,8 @@ def _assign_from_slices(variable, tensor: StoredTensor, read) -> None:
     array = assemble_from_slices(
         tensor.shape, numpy_dtype(tensor.dtype), sharding, read
     )
-    if not keras_private.has_value(variable):
+    if not keras_variables.has_value(variable):
         # Created without a value: this is its first.
-        keras_private.initialize_with(variable, array)
+        keras_variables.initialize_with(variable, array)
     else:
         variable.assign(array)

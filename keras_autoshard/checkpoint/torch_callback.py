@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.checkpoint.orbax_io import save_checkpoint
+from keras_autoshard.checkpoint.orbax_save import save_checkpoint
 from keras_autoshard.errors import CheckpointError
 
 

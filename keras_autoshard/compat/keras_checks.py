@@ -1,5 +1,6 @@
 """The checks behind `keras_private.missing_privates()`: one per Keras
-private `keras_private` wraps, each a function that is true while the
+private `keras_private`, `keras_variables`, `keras_globals` and
+`keras_saving` wrap, each a function that is true while the
 installed Keras still has it (an exception counts as missing).
 
 Signatures and frame locals are read with `inspect` and code objects; the
@@ -16,6 +17,7 @@ import pathlib
 from collections.abc import Callable
 from types import ModuleType
 
+from keras_autoshard.compat import keras_globals
 from keras_autoshard.compat.checks import attribute, failing
 
 
@@ -62,10 +64,10 @@ def _module_source_has(module: str, *texts: str) -> bool:
     return all(text in source for text in texts)
 
 
-def _variable_has(private: ModuleType, *names: str) -> bool:
+def _variable_has(*names: str) -> bool:
     import keras
 
-    with private.name_counters_kept():
+    with keras_globals.name_counters_kept():
         variable = keras.Variable(0.0, name="keras_autoshard_compat_check")
     return all(hasattr(variable, name) for name in names)
 
@@ -169,20 +171,20 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
     ),
     (
         "global attribute 'object_name_uids' (keras.src.utils.naming)",
-        lambda private: _module_source_has(
-            "keras.src.utils.naming", f'"{private.NAME_COUNTERS_ATTRIBUTE}"'
+        lambda _: _module_source_has(
+            "keras.src.utils.naming", f'"{keras_globals.NAME_COUNTERS_ATTRIBUTE}"'
         ),
     ),
     (
         "global attribute 'uninitialized_variables' (Variable)",
-        lambda private: _module_source_has(
+        lambda _: _module_source_has(
             f"{_BACKEND}.common.variables",
-            f'"{private.UNINITIALIZED_VARIABLES_ATTRIBUTE}"',
+            f'"{keras_globals.UNINITIALIZED_VARIABLES_ATTRIBUTE}"',
         ),
     ),
     (
         "global attributes 'stateless_scope', 'current_call_ctx', 'symbolic_scope'",
-        lambda private: all(
+        lambda _: all(
             _module_source_has(module, f'"{name}"')
             for module, name in zip(
                 (
@@ -190,15 +192,14 @@ _CHECKS: list[tuple[str, Callable[[ModuleType], bool]]] = [
                     "keras.src.layers.layer",
                     f"{_BACKEND}.common.symbolic_scope",
                 ),
-                private.CALL_SCOPE_ATTRIBUTES,
+                keras_globals.CALL_SCOPE_ATTRIBUTES,
                 strict=True,
             )
         ),
     ),
     (
         "Variable._value / _layout / _initializer / _initialize / _deferred_initialize",
-        lambda private: _variable_has(
-            private,
+        lambda _: _variable_has(
             "_value",
             "_layout",
             "_initializer",

@@ -1,12 +1,17 @@
-"""Every Keras private the package relies on, each behind one named function.
+"""Keras's trainer, distribution and backend privates, each behind one
+named function, and the check of every Keras private the package relies on.
 
 Keras's public API does not reach everything a planner needs: the model of
-the trainer call asking a distribution for a layout, a variable's layout and
-value slots, the globals Keras keeps (name counters, variables awaiting
-initialisation, the stateless scope), the saving traversal. Each use is
-wrapped here, with the Keras versions it was checked on and what a user sees
-if Keras changes it. `missing_privates()` checks that the installed Keras
-still has every one of them.
+the trainer call asking a distribution for a layout, the first batch of
+`fit`-style data, the trainer's jitted state, the PyTorch and TensorFlow
+backends' trainers. Each use is wrapped here, with the Keras versions it was
+checked on and what a user sees if Keras changes it. The other Keras
+privates live beside it, one module per concern: `keras_variables` (a
+variable's value, layout and initializer slots), `keras_globals` (the
+globals Keras keeps: name counters, variables awaiting initialisation, the
+stateless scope) and `keras_saving` (the saving traversal, the model config).
+`missing_privates()` checks that the installed Keras still has every one of
+them.
 
 Checked on keras 3.15.1 and keras-nightly 3.16.0.dev2026102704 unless a
 function says otherwise. Keras is imported inside the functions, never at
@@ -16,22 +21,13 @@ backend), and PyTorch or TensorFlow only by the function that needs them.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import copy
-import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 # Part of a source file's path that marks it as Keras's own code.
 KERAS_SOURCE_PATH_PART = "/keras/src/"
-
-# Keras's global attributes the package reads or sets (`global_state`).
-NAME_COUNTERS_ATTRIBUTE = "object_name_uids"
-UNINITIALIZED_VARIABLES_ATTRIBUTE = "uninitialized_variables"
-CALL_SCOPE_ATTRIBUTES = ("stateless_scope", "current_call_ctx", "symbolic_scope")
 
 # Trainer methods whose frame names the model (`self`) asking for a layout.
 _TRAINER_METHODS = frozenset(
@@ -273,16 +269,6 @@ def state_sharding_spec(model) -> Any:
     return model._get_state_sharding_spec()
 
 
-def nested_state_dict(model, variables) -> dict:
-    """`model.get_state_tree()`'s nesting of `variables` (by path), holding
-    backend tensors.
-
-    Private: `Model._create_nested_dict(variables, "backend_tensor")`.
-    If it changes: `save_checkpoint` of a model without an optimizer fails.
-    """
-    return model._create_nested_dict(variables, "backend_tensor")
-
-
 def all_layers(layer, include_self: bool = True) -> list:
     """Every layer inside `layer`, at any depth (and `layer` itself).
 
@@ -305,281 +291,10 @@ def optimizer_distribution_strategy(optimizer) -> Any:
     return getattr(optimizer, "_distribution_strategy", None)
 
 
-# ---------------------------------------------------------------- variables
-def has_value(variable) -> bool:
-    """Whether a Keras variable holds a value (not deferred, nor moved into
-    a JAX trainer's loop state).
-
-    Private: `Variable._value`.
-    If it changes: loading, relayout and the abstract builds fail with an
-    `AttributeError`.
-    """
-    return variable._value is not None
-
-
-def set_value(variable, value) -> None:
-    """Make `value` the variable's value as it is, with no conversion or
-    copy (on PyTorch a `torch.nn.Parameter` holding a DTensor).
-
-    Private: assigning `Variable._value`.
-    If it changes: `TensorParallel(..., distributed_backend="torch")` cannot
-    shard a model's variables.
-    """
-    variable._value = value
-
-
-def variable_layout(variable) -> Any:
-    """The `TensorLayout` a variable was given by a distribution, or `None`.
-
-    Private: `Variable._layout` (set by the JAX `Variable`).
-    If it changes: variables are laid out twice (distributions ask their plan
-    again for a variable already placed).
-    """
-    return getattr(variable, "_layout", None)
-
-
-def relayout(variable, layout) -> None:
-    """Give a variable a new layout and move its value onto it (device to
-    device; no full copy is assembled); a deferred variable takes the layout
-    when it is initialised.
-
-    Private: `Variable._layout`, `Variable._direct_assign` and
-    `Variable._value` of the JAX backend.
-    If they change: `AutoShardDistribution` and `TensorParallel` cannot
-    apply a plan to a built model.
-    """
-    variable._layout = layout
-    if variable._value is not None:
-        variable._direct_assign(variable._value)
-
-
-def deferred_layout(variable) -> Any:
-    """The `TensorLayout` the active distribution gives a variable created
-    without a value (asking the distribution now), or `None`.
-
-    Private: `Variable._initialize_layout()` and `Variable._layout`.
-    If they change: sharded loading of a deferred variable fails.
-    """
-    variable._initialize_layout()
-    return variable._layout
-
-
-def initialize_with(variable, value) -> None:
-    """Give a variable created without a value its first value.
-
-    Private: `Variable._initialize(value)`.
-    If it changes: sharded loading into an abstractly built model fails.
-    """
-    variable._initialize(value)
-
-
-def initialize_deferred(variable) -> None:
-    """Initialise a deferred variable from its initializer now.
-
-    Private: `Variable._deferred_initialize()`.
-    If it changes: `load_preset_sharded` fails on a preset whose weights
-    file lacks a variable.
-    """
-    variable._deferred_initialize()
-
-
-def variable_initializer(variable) -> Callable:
-    """The initializer a deferred variable will be initialised with.
-
-    Private: `Variable._initializer`.
-    If it changes: a PyTorch model built abstractly cannot be initialised
-    shard by shard.
-    """
-    return variable._initializer
-
-
-def forget_deferred_initialization(variables) -> None:
-    """Keras will not initialise these variables again: they are removed
-    from its list of variables awaiting initialisation (Keras would
-    initialise them over their values the next time it leaves a stateless
-    scope), and their initializers are dropped.
-
-    Private: the `uninitialized_variables` global of
-    `keras.src.backend.common.global_state`, and `Variable._initializer`.
-    If they change: sharded PyTorch variables are overwritten with whole
-    initial values.
-    """
-    from keras.src.backend.common import global_state
-
-    pending = global_state.get_global_attribute(UNINITIALIZED_VARIABLES_ATTRIBUTE)
-    done = {id(v) for v in variables}
-    for variable in variables:
-        variable._initializer = None
-    if pending:
-        pending[:] = [v for v in pending if id(v) not in done]
-
-
-# ------------------------------------------------------------------ globals
-@contextlib.contextmanager
-def name_counters_kept() -> Iterator[None]:
-    """Keras's auto-naming counters (`dense`, `dense_1`, ...) are as on entry
-    after the block, so the next build gets the same names.
-
-    Private: the `object_name_uids` global of
-    `keras.src.backend.common.global_state`.
-    If it changes: a model built for planning shifts the names of the next
-    build, and plans keyed by variable path stop matching it.
-    """
-    from keras.src.backend.common import global_state
-
-    saved = copy.copy(
-        global_state.get_global_attribute(
-            NAME_COUNTERS_ATTRIBUTE,
-            default=collections.defaultdict(int),
-            set_to_default=True,
-        )
-    )
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute(NAME_COUNTERS_ATTRIBUTE, saved)
-
-
-@contextlib.contextmanager
-def pending_initializations_set_aside() -> Iterator[None]:
-    """Keras's list of variables awaiting initialisation is empty inside the
-    block and as on entry after it: variables created inside are never
-    initialised by a later stateless scope.
-
-    Private: the `uninitialized_variables` global.
-    If it changes: abstract builds allocate every weight when a later
-    stateless scope exits.
-    """
-    from keras.src.backend.common import global_state
-
-    saved = list(
-        global_state.get_global_attribute(UNINITIALIZED_VARIABLES_ATTRIBUTE, []) or []
-    )
-    global_state.set_global_attribute(UNINITIALIZED_VARIABLES_ATTRIBUTE, [])
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute(UNINITIALIZED_VARIABLES_ATTRIBUTE, saved)
-
-
-@contextlib.contextmanager
-def outside_keras_call() -> Iterator[None]:
-    """Step out of the Keras call being traced for the block (its stateless
-    scope holds the step's tracers as variable values, its call context the
-    layer being called, its symbolic scope a shape-only build) and back in
-    after: the block sees the variables' real values. Keras's own scope
-    objects are put back as they were.
-
-    Private: the globals `CALL_SCOPE_ATTRIBUTES` names (the symbolic scope too).
-    If they change: `AutoShardDistribution` cannot plan inside a traced
-    call (`predict_on_batch`: call `prepare(model, x)` first).
-    """
-    from keras.src.backend.common import global_state
-
-    saved = {
-        name: global_state.get_global_attribute(name) for name in CALL_SCOPE_ATTRIBUTES
-    }
-    try:
-        for name in CALL_SCOPE_ATTRIBUTES:
-            global_state.set_global_attribute(name, None)
-        yield
-    finally:
-        for name, value in saved.items():
-            global_state.set_global_attribute(name, value)
-
-
-def current_stateless_scope() -> Any:
-    """The active `keras.StatelessScope`, or `None`.
-
-    Private: `keras.src.backend.common.stateless_scope.get_stateless_scope`;
-    the package also reads the scope's `state_mapping` and `losses`.
-    If they change: a rematerialized layer that updates state (dropout's
-    seed) fails in a train step.
-    """
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    return get_stateless_scope()
-
-
-# ------------------------------------------------------------------- saving
-def saved_weight_entries(model, skipped: Iterable = ()) -> list[tuple[str, str, Any]]:
-    """What `model.save_weights` writes, in its order, without writing:
-    `(group path, dataset key, value)` per saved value, the key as in a
-    `.weights.h5` file (`layers/dense/vars/0`). Objects in `skipped` (the
-    optimizer) are not traversed.
-
-    Private: `keras.src.saving.saving_lib._save_state` and the protocol of
-    its `H5IOStore` (`make(path, metadata)`, item assignment).
-    If they change: weights files cannot be loaded or saved slice by slice
-    (`load_weights_sharded`, `TensorParallel.load_weights` on PyTorch).
-    """
-    from keras.src.saving import saving_lib
-
-    store = _recording_store_class()()
-    saving_lib._save_state(
-        model,
-        weights_store=store,
-        assets_store=None,
-        inner_path="",
-        visited_saveables={id(item) for item in skipped},
-    )
-    return store.entries
-
-
-@functools.cache
-def _recording_store_class() -> type:
-    from keras.src.saving import saving_lib
-
-    class RecordingStore(saving_lib.H5IOStore):
-        """A write-mode weights store that records keys instead of writing."""
-
-        def __init__(self):  # no file: nothing is written
-            self.entries: list[tuple[str, str, Any]] = []
-            self._group_path = ""
-
-        def __bool__(self) -> bool:
-            return True
-
-        def make(self, path, metadata=None):
-            self._group_path = path
-            return self
-
-        def __setitem__(self, key, value):
-            dataset_key = f"{self._group_path}/vars/{key}".lstrip("/")
-            self.entries.append((self._group_path, dataset_key, value))
-
-    return RecordingStore
-
-
-def model_from_config_json(config_json: str, compile: bool) -> Any:
-    """The model a `.keras` archive's config JSON describes (safe mode),
-    compiled when `compile` and the config holds a training configuration.
-
-    Private: `keras.src.saving.saving_lib._model_from_config`.
-    If it changes: `load_model_sharded` fails.
-    """
-    from keras.src.saving import saving_lib
-
-    return saving_lib._model_from_config(
-        config_json, custom_objects=None, compile=compile, safe_mode=True
-    )
-
-
-def model_config_json(model) -> str:
-    """The config JSON `model.save` writes into a `.keras` archive.
-
-    Private: `keras.src.saving.saving_lib._serialize_model_as_json`.
-    If it changes: `save_checkpoint(..., include_model_config=True)` fails.
-    """
-    from keras.src.saving import saving_lib
-
-    config_json, _ = saving_lib._serialize_model_as_json(model)
-    return config_json
-
-
 # ----------------------------------------------------------------- checking
 def missing_privates() -> list[str]:
-    """The Keras privates above that the installed Keras lacks.
+    """The Keras privates above, and those of `keras_variables`,
+    `keras_globals` and `keras_saving`, that the installed Keras lacks.
 
     Imports Keras (and its JAX trainer when JAX is installed); reads the
     PyTorch and TensorFlow backends' source without importing them. The

@@ -1,6 +1,6 @@
 """Which residuals XLA materialises once it has fused elementwise work.
 
-Reads the walk's state (`graph/builder.py`'s builder: the residuals each
+Reads the walk's state (`graph/walk_state.py`'s builder: the residuals each
 equation keeps, which equations are fusible, views, the layer that made
 each tensor) and returns the `Kept` list of the axis graph.
 """
@@ -123,7 +123,7 @@ def kept_after_fusion(
     `OPERAND_EMITTED` ones read in their derivative.
 
     Args:
-        builder: The walk's `_GraphBuilder`.
+        builder: The walk's `GraphBuilder`.
         within_layers: Stop fusions at layer-call boundaries.
         accelerator: Apply XLA:GPU's rules (above).
 

@@ -27,7 +27,7 @@ def key_value_pairs(builder: Any) -> tuple[tuple[int, int], ...]:
     """`(key, value)` tensor ids of every attention the walk recorded.
 
     Args:
-        builder: The walk's `_GraphBuilder` (its `activation_products`,
+        builder: The walk's `GraphBuilder` (its `activation_products`,
             `fused_from`, `view_of`, `broadcast_of` and `repeat_of`).
 
     Returns:

@@ -52,7 +52,7 @@ class CallReturns:
     def record(self, name_stack: str, ins: Sequence[int], outs: Sequence[int]) -> None:
         """Note a top-level equation of `name_stack` that reads `ins` and
         makes `outs`. A scope left and entered again starts a new call, as
-        in `_GraphBuilder.record_scope`.
+        in `GraphBuilder.record_scope`.
 
         Args:
             name_stack: The equation's JAX name stack (a Keras layer path).

@@ -15,7 +15,7 @@ mapped directly: `optimizer/vars/<i>` is `model.optimizer.variables[i]`.
 
 from __future__ import annotations
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_saving
 from keras_autoshard.errors import CheckpointError
 
 OPTIMIZER_GROUP = "optimizer"
@@ -42,7 +42,7 @@ def keras_h5_keys(model) -> dict[str, object]:
     # Skipping the optimizer keeps Keras from gathering its state.
     skipped = [optimizer] if optimizer is not None else []
     keys = {}
-    for group_path, dataset_key, value in keras_private.saved_weight_entries(
+    for group_path, dataset_key, value in keras_saving.saved_weight_entries(
         model, skipped
     ):
         if not hasattr(value, "path") or not hasattr(value, "assign"):

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_variables
 
 # One index per dimension, as `jax.make_array_from_callback` passes it.
 SliceIndex = tuple[slice, ...]
@@ -30,8 +30,8 @@ def variable_sharding(variable) -> jax.sharding.Sharding:
         a `SingleDeviceSharding` otherwise). For a variable created without a
         value (deferred), the sharding the active distribution gives it.
     """
-    if not keras_private.has_value(variable):
-        layout = keras_private.deferred_layout(variable)
+    if not keras_variables.has_value(variable):
+        layout = keras_variables.deferred_layout(variable)
         if layout is None:
             return jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return layout.backend_layout
@@ -94,7 +94,7 @@ def release_value(variable) -> None:
     together; the variable must be assigned before it is used again. A
     variable without a value (deferred) has nothing to free.
     """
-    if keras_private.has_value(variable):
+    if keras_variables.has_value(variable):
         variable.value.delete()
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from keras_autoshard import AutoShardDistribution, plan
 from keras_autoshard.building import names_replayed_after
+from keras_autoshard.compat import keras_variables
 from keras_autoshard.plans.mesh import DATA_AXIS, MODEL_AXIS, SpecEntry
 from keras_autoshard.plans.sharding_plan import MeshSpec
 from keras_autoshard.testing.hub_backbones import CASES, HubBackboneCase, build
@@ -411,8 +412,7 @@ def restore_weights(built: BuiltBackbone) -> None:
     """Put the initial weights back on one device (undo a plan's moves)."""
     device = jax.devices()[0]
     for variable, value in zip(built.model.variables, built.weights):
-        variable._layout = None
-        variable._value = jax.device_put(value, device)
+        keras_variables.reset_placement(variable, jax.device_put(value, device))
 
 
 def run(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_globals
 
 
 @contextlib.contextmanager
@@ -28,5 +28,5 @@ def names_replayed_after():
     model = build_model()   # same variable paths as `reference`
     ```
     """
-    with keras_private.name_counters_kept():
+    with keras_globals.name_counters_kept():
         yield

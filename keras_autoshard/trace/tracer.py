@@ -21,7 +21,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_globals, keras_private
 from keras_autoshard.errors import ModelNotTraceableError, PlanError
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.trace.naming import names_replayed_after
@@ -113,7 +113,7 @@ def abstract_variables():
     stateless scope initialises (allocates) them.
     """
     with (
-        keras_private.pending_initializations_set_aside(),
+        keras_globals.pending_initializations_set_aside(),
         keras.StatelessScope(initialize_variables=False),
     ):
         yield

@@ -33,7 +33,7 @@ from keras_autoshard.apply.jax.trainer_calls import (
 )
 from keras_autoshard.apply.optimizer_slots import slot_owner, slot_prefix
 from keras_autoshard.apply.remat import rematerialize
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_globals, keras_private, keras_variables
 from keras_autoshard.compat.keras_layouts import tensor_layout
 from keras_autoshard.plans.identity import unique_variables, variable_keys
 from keras_autoshard.plans.mesh import (
@@ -268,7 +268,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         remake them once the model's variables hold values again (inside
         `predict` Keras has moved them into its loop state)."""
         if model not in self._stale_step_functions or not all(
-            keras_private.has_value(variable) for variable in model.variables
+            keras_variables.has_value(variable) for variable in model.variables
         ):
             return
         self._stale_step_functions.discard(model)
@@ -281,7 +281,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
                 make(force=True)
 
     def get_variable_layout(self, variable) -> TensorLayout:
-        layout = keras_private.variable_layout(variable)
+        layout = keras_variables.variable_layout(variable)
         if layout is not None:
             return layout
         if self._applied is not None and self._applied.plan.get(
@@ -310,7 +310,7 @@ class JaxAutoShardDistribution(AutoShardDistribution):
         model = call.model
         if not all(layer.built for layer in keras_private.all_layers(model)):
             return  # still building: plan on a later call
-        with jax.ensure_compile_time_eval(), keras_private.outside_keras_call():
+        with jax.ensure_compile_time_eval(), keras_globals.outside_keras_call():
             self._plan_on_first_batch(model, call.batch)
             self._remake_stale_step_functions(model)
 
@@ -367,7 +367,7 @@ def relayout_model(model: keras.Model, distribution: PlanDistribution) -> None:
 
 def move_variable(variable, layout: TensorLayout) -> None:
     """Lay `variable` out by `layout`, moving its value device to device."""
-    keras_private.relayout(variable, layout)
+    keras_variables.relayout(variable, layout)
 
 
 def _as_mesh_spec(device_mesh) -> MeshSpec | None:

@@ -8,7 +8,7 @@ import keras
 from keras.distribution import TensorLayout
 
 from keras_autoshard.apply.jax.device_mesh import make_device_mesh
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_private, keras_variables
 from keras_autoshard.compat.keras_layouts import tensor_layout
 from keras_autoshard.plans.identity import repeated_key
 from keras_autoshard.plans.sharding_plan import (
@@ -138,7 +138,7 @@ class PlanDistribution(keras_private.distribution_base()):
         return repeated_key(variable.path, created.index(id(variable)))
 
     def get_variable_layout(self, variable) -> TensorLayout:
-        layout = keras_private.variable_layout(variable)
+        layout = keras_variables.variable_layout(variable)
         if layout is not None:
             return layout
         entry = self._plan.get(self.plan_key(variable))

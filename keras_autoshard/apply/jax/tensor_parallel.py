@@ -37,7 +37,7 @@ from keras_autoshard.apply.tensor_parallel_setup import (
     TensorParallelSetup,
     tensor_parallel_setup,
 )
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_private, keras_variables
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import ShardingPlan
 from keras_autoshard.trace.tracer import tracing_error_in
@@ -231,7 +231,7 @@ class JaxTensorParallel(TensorParallel):
             return
         mesh = self._distribution.device_mesh
         for variable in optimizer.variables:
-            if keras_private.variable_layout(variable) is None:
+            if keras_variables.variable_layout(variable) is None:
                 move_variable(
                     variable, TensorLayout([None] * len(variable.shape), mesh)
                 )

@@ -17,7 +17,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_private, keras_variables
 from keras_autoshard.errors import BatchSizeError
 
 
@@ -130,5 +130,5 @@ def _restore_loop_state(call: TrainerCall) -> None:
     )
     for variables, values in zip(groups, call.state):
         for variable, value in zip(variables, values):
-            if not keras_private.has_value(variable):
+            if not keras_variables.has_value(variable):
                 variable.assign(value)

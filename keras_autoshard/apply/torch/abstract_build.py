@@ -25,7 +25,7 @@ from typing import Any
 
 import keras
 
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_variables
 from keras_autoshard.errors import TensorParallelError
 
 PRESET_CONFIG_FILE = "config.json"
@@ -106,7 +106,7 @@ def build_abstract(source) -> tuple[keras.Model, str | None]:
 
 def is_materialised(variable) -> bool:
     """Whether a Keras variable holds a value (not deferred)."""
-    return keras_private.has_value(variable)
+    return keras_variables.has_value(variable)
 
 
 def initial_value(variable, index: int, seed: int):
@@ -127,7 +127,7 @@ def initial_value(variable, index: int, seed: int):
         random.seed(seed * 1_000_003 + index)
         torch.manual_seed(seed * 1_000_003 + index)
         try:
-            initializer = keras_private.variable_initializer(variable)
+            initializer = keras_variables.variable_initializer(variable)
             value = initializer(variable.shape, dtype=variable.dtype)
         finally:
             random.setstate(state)
@@ -138,7 +138,7 @@ def mark_materialised(variables) -> None:
     """Drop materialised variables from Keras's list of deferred ones (Keras
     would otherwise initialise them again, over their shards, the next time
     it leaves a stateless scope)."""
-    keras_private.forget_deferred_initialization(variables)
+    keras_variables.forget_deferred_initialization(variables)
 
 
 def _preset_source(directory: str) -> tuple[Callable[[], Any] | Mapping, str | None]:

@@ -20,7 +20,7 @@ from keras_autoshard.apply.torch.abstract_build import (
     mark_materialised,
 )
 from keras_autoshard.apply.torch.dtensor_layout import placements_for
-from keras_autoshard.compat import keras_private
+from keras_autoshard.compat import keras_private, keras_variables
 from keras_autoshard.io.torch.dtensor_shards import local_slice_index
 from keras_autoshard.plans.sharding_plan import PlanError, ShardingPlan
 
@@ -86,7 +86,7 @@ def shard_model_variables(
                 del value
             else:
                 local = _empty_block(variable, device_mesh, placements, keep_whole)
-            keras_private.set_value(
+            keras_variables.set_value(
                 variable, torch.nn.Parameter(local, requires_grad=variable.trainable)
             )
             materialised.append(variable)
@@ -95,7 +95,7 @@ def shard_model_variables(
             continue
         value = variable.value.detach()
         sharded = distribute_tensor(value, device_mesh, placements)
-        keras_private.set_value(
+        keras_variables.set_value(
             variable, torch.nn.Parameter(sharded, requires_grad=variable.trainable)
         )
     mark_materialised(materialised)
@@ -154,7 +154,7 @@ def shard_optimizer_variables(model: keras.Model) -> None:
         if owner is None or isinstance(slot.value, DTensor):
             continue
         parameter_value = owner[1]
-        keras_private.set_value(
+        keras_variables.set_value(
             slot,
             torch.nn.Parameter(
                 dtensor_zeros(

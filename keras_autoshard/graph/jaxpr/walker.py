@@ -18,7 +18,7 @@ from keras_autoshard.graph.axis_graph import JOINED
 from keras_autoshard.graph.jaxpr.registry import rule_for
 
 if TYPE_CHECKING:
-    from keras_autoshard.graph.builder import _GraphBuilder
+    from keras_autoshard.graph.walk_state import GraphBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Eqn:
     eqn: jcore.JaxprEqn
     ins: list[int]
     multiplicity: int
-    builder: _GraphBuilder
+    builder: GraphBuilder
     walker: Walker
 
     @property
@@ -155,7 +155,7 @@ VIEW_PRIMITIVES = frozenset({"convert_element_type", "copy", "copy_p"})
 class Walker:
     """Walks jaxprs, dispatching each equation to its primitive's rule."""
 
-    def __init__(self, builder: _GraphBuilder) -> None:
+    def __init__(self, builder: GraphBuilder) -> None:
         self.builder = builder
         self._warned: set[str] = set()
         self._depth = 0
