@@ -113,8 +113,7 @@ def kept_after_fusion(
     or makes (its output, a reduction's) are materialised as they are.
 
     With `accelerator` (XLA:GPU's program), more rules, each read off
-    XLA:GPU's buffers: a narrower residual (a mask) of a value kept whole is
-    computed again from it; a max pooling keeps the positions of its maxima
+    XLA:GPU's buffers: a max pooling keeps the positions of its maxima
     (`_pooling_indices`); what a matmul reads through a copy or reshape is
     materialised; a transpose is fused with what it reads and what reads it
     (`FUSED_RELABELS`); a value read only by reductions is fused into them when
@@ -153,17 +152,6 @@ def kept_after_fusion(
                 key = (root, scale) if root == tid else (root, 1.0)
                 kept[key] = max(kept.get(key, 0), times)
                 layers.setdefault(key, set()).update(by_layers)
-    if accelerator:
-        # A narrower residual of a value kept whole (a ReLU's boolean mask
-        # beside its output) is computed again from it in XLA:GPU's backward
-        # fusion: no mask buffer is live at the compiled peaks of the zoo's
-        # CNN (1x8, 2x4) and subclassed attention model (2x4,
-        # `mixed_bfloat16`), which counting it put 5-10 % over.
-        kept = {
-            (t, scale): times
-            for (t, scale), times in kept.items()
-            if scale >= 1.0 or (t, 1.0) not in kept
-        }
     found = tuple(
         Kept(t, scale, times, tuple(sorted(layers[(t, scale)])))
         for (t, scale), times in sorted(kept.items())

@@ -50,16 +50,6 @@ def test_a_max_pooling_keeps_the_positions_of_its_maxima(activation, relu):
     assert [(k.tensor, k.scale) for k in kept] == [(operand.id, 1.0 + relu)]
 
 
-def test_a_relus_mask_is_not_kept_beside_its_output_on_xla_gpu():
-    def masks(graph):
-        whole = {k.tensor for k in graph.residuals if k.scale >= 1.0}
-        return [k for k in graph.residuals if k.scale < 1.0 and k.tensor in whole]
-
-    # XLA:CPU keeps the boolean mask (a quarter of the float output) too.
-    assert [k.scale for k in masks(pooling_graph("relu", "cpu"))] == [0.25]
-    assert masks(pooling_graph("relu")) == []
-
-
 def test_the_poolings_stage_scatters_the_operands_gradient():
     graph = pooling_graph("tanh")
     kept, gradients, workspace = accelerator_peak(

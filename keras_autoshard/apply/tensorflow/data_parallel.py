@@ -25,8 +25,7 @@ from keras_autoshard.apply.tensor_parallel_setup import (
     select_devices,
 )
 from keras_autoshard.errors import TensorFlowModelParallelError  # noqa: F401
-from keras_autoshard.planner.cost_model import DATA_AXIS_NAMES
-from keras_autoshard.plans.mesh import DEFAULT_AXIS_NAMES
+from keras_autoshard.plans.mesh import DATA_AXIS_NAMES, DEFAULT_AXIS_NAMES
 from keras_autoshard.plans.rules import Spec
 from keras_autoshard.plans.sharding_plan import MeshSpec, PlanError, ShardingPlan
 from keras_autoshard.plans.units import optional_byte_size
