@@ -18,7 +18,7 @@ model = build_model()  # the same variable paths as `reference`
 ```
 """
 
-import importlib
+from keras_autoshard.lazy_names import lazy_attributes
 
 _NAMES = {
     "build_abstract": "keras_autoshard.trace.tracer",
@@ -27,17 +27,4 @@ _NAMES = {
 
 __all__ = sorted(_NAMES)
 
-
-def __getattr__(name):
-    module_name = _NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(
-            f"module 'keras_autoshard.building' has no attribute {name!r}"
-        )
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_attributes(__name__, _NAMES)

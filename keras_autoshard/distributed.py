@@ -23,7 +23,7 @@ total = ka.distributed.all_reduce(partial, axis_name="model")  # in shard_map
 ```
 """
 
-import importlib
+from keras_autoshard.lazy_names import lazy_attributes
 
 _COLLECTIVES = "keras_autoshard.runtime.collectives"
 _NAMES = {
@@ -41,17 +41,4 @@ _NAMES = {
 
 __all__ = list(_NAMES)
 
-
-def __getattr__(name):
-    module_name = _NAMES.get(name)
-    if module_name is None:
-        raise AttributeError(
-            f"module 'keras_autoshard.distributed' has no attribute {name!r}"
-        )
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_attributes(__name__, _NAMES)

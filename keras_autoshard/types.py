@@ -16,7 +16,7 @@ def cut(entry: VariableSharding) -> bool:
 ```
 """
 
-import importlib
+from keras_autoshard.lazy_names import lazy_attributes
 
 _TYPES = {
     "ActivationLayout": "keras_autoshard.plans.sharding_plan",
@@ -31,17 +31,4 @@ _TYPES = {
 
 __all__ = sorted(_TYPES)
 
-
-def __getattr__(name):
-    module_name = _TYPES.get(name)
-    if module_name is None:
-        raise AttributeError(
-            f"module 'keras_autoshard.types' has no attribute {name!r}"
-        )
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_TYPES))
+__getattr__, __dir__ = lazy_attributes(__name__, _TYPES)

@@ -3,7 +3,7 @@ and nothing assigns to Keras.
 
 Stage order (a module may import its own stage and earlier ones only):
 
-    errors, progress, compat              (0: below all; compat wraps every
+    errors, progress, lazy_names, compat  (0: below all; compat wraps every
                                               Keras and JAX private and imports
                                               only `errors`)
     plans                                 (1: the contract, plain data)
@@ -48,6 +48,7 @@ PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1] / "keras_autoshard"
 STAGES = {
     "errors": 0,
     "progress": 0,
+    "lazy_names": 0,
     "compat": 0,
     "plans": 1,
     "runtime": 2,

@@ -79,7 +79,6 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
         accelerator_residuals_within_layers=kept_after_fusion(
             builder, within_layers=True, accelerator=True
         ),
-        workspaces=tuple(sorted(builder.workspaces.items())),
         poolings=tuple((t, out) for t, (out, _) in sorted(builder.poolings.items())),
         other_residual_bytes=builder.other_residual_bytes,
         tensor_layers=builder.layers.scopes(len(builder.tensors)),

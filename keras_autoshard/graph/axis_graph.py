@@ -32,6 +32,10 @@ JOINED = "joined dim of"
 EVENT_KINDS = ("contract", "reduce", "gather", "broadcast_grad")
 PHASES = ("forward", "backward")
 
+# Buffers of its operand's size a max or min pooling's backward pass holds
+# at once on XLA:CPU (`AxisGraph.workspaces`).
+CPU_POOLING_BUFFERS = 6.0
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorNode:
@@ -225,11 +229,10 @@ class AxisGraph:
         other_residual_bytes: Bytes kept that no tensor of the graph holds
             (intermediates of a derivative of another shape), counted whole.
         outputs: The forward pass's output tensor ids.
-        workspaces: `(tensor id, factor)`: an equation whose backward pass
-            needs `factor` buffers of that operand's size at once.
         poolings: `(operand, output)` of each max or min pooling: XLA:GPU
             forms the operand's gradient by scattering the output's into a
-            zeroed buffer of the operand's size (`memory_model`).
+            zeroed buffer of the operand's size (`accelerator_peak`); XLA:CPU
+            needs several buffers of that size at once (`workspaces`).
         tensor_layers: The top-level Keras layer whose call made each
             tensor ("" outside any layer; `graph/blocks.py`).
         layer_inputs: `(layer, tensor ids)`: the activations each top-level
@@ -310,7 +313,6 @@ class AxisGraph:
     accelerator_residuals_within_layers: tuple[Kept, ...] = ()
     other_residual_bytes: int = 0
     outputs: tuple[int, ...] = ()
-    workspaces: tuple[tuple[int, float], ...] = ()
     poolings: tuple[tuple[int, int], ...] = ()
     tensor_layers: tuple[str, ...] = ()
     layer_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -367,6 +369,15 @@ class AxisGraph:
         if len(split) == len(self.comm_events):
             return self
         return dataclasses.replace(self, comm_events=tuple(split))
+
+    @functools.cached_property
+    def workspaces(self) -> tuple[tuple[int, float], ...]:
+        """`(tensor id, factor)`: an operand whose equation's backward pass
+        on XLA:CPU needs `factor` buffers of its size at once. A max or min
+        pooling's gradient is lowered to reduce-windows over (value, index)
+        pairs with index tensors of the operand's size (six such buffers
+        measured on XLA:CPU)."""
+        return tuple((operand, CPU_POOLING_BUFFERS) for operand, _ in self.poolings)
 
     @functools.cached_property
     def product_contractions(self) -> dict[int, tuple[int, ...]]:

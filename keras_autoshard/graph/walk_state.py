@@ -35,11 +35,9 @@ from keras_autoshard.graph.union_find import UnionFind
 
 logger = logging.getLogger(__name__)
 
-# Equations whose backward pass needs several buffers the size of their
-# operand at once: a max or min pooling's gradient is lowered by XLA to
-# reduce-windows over (value, index) pairs with index tensors of the input's
-# size (six such buffers measured on XLA:CPU, jax 0.10).
-WORKSPACE_FACTORS = {"reduce_window_max": 6.0, "reduce_window_min": 6.0}
+# Max and min poolings: their backward passes need buffers of their operand's
+# size (`AxisGraph.poolings`, `AxisGraph.workspaces`).
+POOLINGS = frozenset({"reduce_window_max", "reduce_window_min"})
 # Equations XLA fuses into their consumers (elementwise work and relabels).
 FUSIBLE_PRIMITIVES = frozenset(ELEMENTWISE_PRIMITIVES) | {
     "broadcast_in_dim",
@@ -102,8 +100,6 @@ class GraphBuilder:
         # equation reads (a matmul reading a copy or reshape of it).
         self.readers_through_views: dict[int, set[str]] = {}
         self.reduced_from: dict[int, int] = {}
-        # Operand -> buffers of its size its equation's backward needs at once.
-        self.workspaces: dict[int, float] = {}
         # A max or min pooling's operand -> (its output, its layer).
         self.poolings: dict[int, tuple[int, str]] = {}
         # > 0 while walking the body of a call whose own derivative rule
@@ -131,8 +127,7 @@ class GraphBuilder:
         for tid in eqn.ins:
             self.readers.setdefault(tid, set()).add(self.layers.current)
         name = eqn.eqn.primitive.name
-        if name in WORKSPACE_FACTORS and eqn.ins:
-            self.workspaces[eqn.ins[0]] = WORKSPACE_FACTORS[name]
+        if name in POOLINGS and eqn.ins:
             self.poolings[eqn.ins[0]] = (outs[0], self.layers.current)
         if name not in STRUCTURAL_PRIMITIVES:
             note_fusion(self, name, name in FUSIBLE_PRIMITIVES, eqn.ins, outs)
