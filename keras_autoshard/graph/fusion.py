@@ -59,6 +59,15 @@ CHEAP = frozenset(
 )  # fmt: skip
 
 
+# Activations whose derivative reads their output, which XLA:GPU computes
+# again in the backward pass's fusion from a split product's partial
+# results (their sum, the bias and the activation) rather than keep: read
+# off XLA:GPU's program of the zoo's tied model on 2x4, whose tanh Dense
+# keeps its four float32 partials to the backward pass, and of a model
+# written in `tests/planner/test_backward_buffers_gpu.py`.
+RECOMPUTED_ACTIVATIONS = frozenset({"tanh"})
+
+
 # Relabels XLA:GPU fuses with the elementwise work on either side: a value
 # read only through them is computed again where its readers are, as if
 # they read it directly. Read off XLA:GPU's buffers of a Llama at
@@ -366,7 +375,8 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
     unfusible equation reads (directly or through a view), its images
     (values made from it by `CHEAP` equations whose other operands are
     smaller, broadcast along it: a bias added), and whether the backward
-    pass needs it as it is or as an image (a GELU's input, a gate's; not
+    pass needs it as it is or as an image (a GELU's input, a gate's, the
+    output of a `RECOMPUTED_ACTIVATIONS` activation of one; not
     a product kept only as what a fused value downstream is recomputed
     from, such as a residual sum a norm reads, which XLA:GPU materialises).
 
@@ -401,11 +411,12 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
             tid = todo.pop()
             for reader in fused_readers.get(tid, ()):
                 others = [t for t in builder.fused_from[reader] if t != tid]
-                if (
-                    builder.made_by.get(reader) in CHEAP
-                    and all(size(t) < size(tid) for t in others)
-                    and reader not in found
-                ):
+                if reader in found:
+                    continue
+                made_by = builder.made_by.get(reader)
+                if made_by in RECOMPUTED_ACTIVATIONS and not others:
+                    found.append(reader)  # an end: computed again, not read on
+                elif made_by in CHEAP and all(size(t) < size(tid) for t in others):
                     found.append(reader)
                     todo.append(reader)
         return tuple(found)

@@ -25,6 +25,7 @@ from keras_autoshard.planner.split_k import (
     activation_products,
     gradient_buffers,
     kept_partials_factors,
+    partials_made_by,
     split_gradient_bytes,
 )
 from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
@@ -58,7 +59,11 @@ def accelerator_peak(
     its partials where XLA:GPU splits it, `split_k.input_gradient_partials`)
     beside their sum, with the partial products of the layer's weight
     gradients XLA:GPU splits over the tokens (`split_k.split_gradient_bytes`:
-    one product's at a time, each summed as made; none at real widths). The
+    one product's at a time, each summed as made; none at real widths);
+    where a product of a later layer makes an activation's gradient in
+    split partials, that layer's backward pass holds them and their sum
+    instead (`split_k.partials_made_by`); and at a head's stage the loss's
+    float32 gradient of the head's output beside either. The
     other is the largest combined reduction of the gradients over the batch
     axes so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
@@ -107,6 +112,7 @@ def accelerator_peak(
     products = activation_products(graph, whole, sizes)
     partials_kept = kept_partials_factors(graph, products, residuals)
     gradient_buffers_of = gradient_buffers(graph, products)
+    partials_makers = partials_made_by(graph, products)
 
     def held(terms) -> float:
         return part * sum(
@@ -118,7 +124,13 @@ def accelerator_peak(
 
     batch_classes = batch_carrying_classes(graph)
     outputs = set(graph.outputs)
+    # A product whose image is an output (a bias added): its gradient is
+    # the output's, the loss's (`loss_gradient` below).
+    outputs.update(
+        out for out, images, _ in graph.fused_products if outputs.intersection(images)
+    )
     largest = [0.0] * len(stages)
+    formed = [0.0] * len(stages)  # gradients made in partials for a layer below
     for tensor in graph.tensors:
         if tensor.kind != "activation" or tensor.id in outputs:
             continue
@@ -134,8 +146,22 @@ def accelerator_peak(
         # (`tests/planner/test_residual_fusion_gpu.py`); a precision cast's two
         # are, below. Several products' input gradients beside their sum,
         # or split partials, are (`split_k.gradient_buffers`).
-        size *= gradient_buffers_of.get(tensor.id, 1)
-        largest[stage] = max(largest[stage], size)
+        buffers = gradient_buffers_of.get(tensor.id, 1)
+        # Split partials a later layer's product makes of this activation's
+        # gradient are made and summed in that layer's backward pass, before
+        # it forms its weight gradient's partials, not beside them: the zoo
+        # MLP on 2x4 (`tests/planner/test_backward_buffers_gpu.py`) sums four
+        # partials of its GELU output's gradient, then splits the down
+        # projection's kernel gradient (1.11 of the compiled peak counted at
+        # the GELU's layer beside its own kernel's partials).
+        makers = partials_makers.get(tensor.id, ())
+        reader = max(
+            (position.get(graph.tensor_layers[o], last) for o in makers), default=stage
+        )
+        if reader != stage:
+            formed[reader] = max(formed[reader], size * buffers)
+            buffers = 1
+        largest[stage] = max(largest[stage], size * buffers)
     # The backward pass of a precision cast reads the cast's gradient and
     # writes its source's, buffers of two sizes live at once (Llama-2-70B
     # widths on 32x8: the bfloat16 attention probabilities' gradient, 2 GiB,
@@ -156,6 +182,21 @@ def accelerator_peak(
             local_bytes(graph.tensors[t], assignment, sizes) for t in (source, output)
         )
         largest[stage] = max(largest[stage], pair * part)
+    # The loss's gradient of an output a product makes (a head), which the
+    # loss writes in float32 and the head's backward pass reads into both
+    # its input's and its weight's gradient products, is live through that
+    # layer's backward pass (the zoo's tied model on 2x4: its logits'
+    # gradient, 256 KiB per device, beside the projection's partials).
+    loss_gradient = [0.0] * len(stages)
+    product_made = {out for out, *_ in graph.products}
+    product_made.update(t for _, images, _ in graph.fused_products for t in images)
+    for tid in product_made.intersection(graph.outputs):
+        tensor = graph.tensors[tid]
+        if tensor.requires_grad:
+            stage = position.get(graph.tensor_layers[tid], last)
+            loss_gradient[stage] += (
+                part * local_bytes(tensor, assignment, sizes) * 4.0 / tensor.itemsize
+            )
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = split_gradient_bytes(graph, whole, sizes)
     partials = [0.0] * len(stages)  # split-K partial products made there
@@ -195,7 +236,8 @@ def accelerator_peak(
     for i, stage in enumerate(stages):
         alive += held(stage.kept_to_here)
         kept = alive + held(stage.own) + gathered[i] * part
-        workspace = max(largest[i] + partials[i], combined[i])
+        formed_here = max(largest[i] + partials[i], formed[i]) + loss_gradient[i]
+        workspace = max(formed_here, combined[i])
         best = max(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )

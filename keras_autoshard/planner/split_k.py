@@ -402,6 +402,29 @@ def input_gradient_partials(
     return extra
 
 
+def partials_made_by(
+    graph: AxisGraph, products: list[ProductDims]
+) -> dict[int, tuple[int, ...]]:
+    """Activation id -> the outputs of the products that make its
+    gradient in split partials (`input_gradient_partials`). The backward
+    pass of the layer making those outputs makes the partials and sums
+    them, before it forms its own weight gradient's partials.
+
+    Args:
+        graph: The model's axis graph.
+        products: `activation_products` of the candidate sharding.
+
+    Returns:
+        The reading products' outputs per activation (others absent).
+    """
+    split = input_gradient_partials(graph, products)
+    readers: dict[int, tuple[int, ...]] = {}
+    for out, read, *_ in products:
+        if read in split:
+            readers[read] = (*readers.get(read, ()), out)
+    return readers
+
+
 def gradient_buffers(graph: AxisGraph, products: list[ProductDims]) -> dict[int, int]:
     """Activation id -> buffers of its size XLA:GPU holds at once while it
     forms the activation's gradient, where more than one: for an

@@ -62,3 +62,19 @@ def test_the_poolings_stage_scatters_the_operands_gradient():
     assert kept == 2 * OPERAND
     # The head's gradients are made; the convolution's come below.
     assert gradients == 4 * (4 * 4 * CHANNELS * 2 + 2)
+
+
+def test_the_heads_stage_holds_the_loss_gradient_of_its_output():
+    """The loss writes the gradient of an output a product makes in
+    float32, and the head's backward pass reads it into both of its
+    products: live through the head's stage, beside its workspace."""
+    x = keras.Input((16,), batch_size=BATCH)
+    model = keras.Model(x, keras.layers.Dense(256, name="head")(x))
+    traced = trace_model(model, jax.ShapeDtypeStruct((BATCH, 16), "float32"))
+    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+    graph = graph.for_platform("gpu")
+    _, gradients, workspace = accelerator_peak(graph, Assignment({}), {}, frozenset())
+    # Nothing else is formed there: no activation but the output, no split
+    # product (2 tokens), no batch reduction.
+    assert workspace == 4 * BATCH * 256
+    assert gradients == 4 * (16 * 256 + 256)

@@ -11,6 +11,7 @@ from keras_autoshard.planner.split_k import (
     activation_products,
     input_gradient_partials,
     kept_partials_factors,
+    partials_made_by,
     split_parts,
 )
 
@@ -125,6 +126,54 @@ def test_input_gradient_partials_of_three_projections():
     assert input_gradient_partials(graph, activation_products(graph, UNCUT, {})) == {
         h: 3 * 7
     }
+
+
+def test_a_tanh_of_a_product_is_an_image_the_backward_pass_needs():
+    """tanh's derivative reads its output, which XLA:GPU computes again
+    from the product's partials in the backward fusion (the zoo's tied
+    model on 2x4): the biased product's tanh is an image, the product
+    needed; a product a norm-like reduction reads is not fused."""
+
+    def f(scale, bias, w, head, x):
+        return jnp.tanh((x * scale) @ w + bias) @ head
+
+    wide = 2 * HIDDEN  # 64 tokens by 1024 over 256: split in 4
+    shapes = [(WIDTH,), (wide,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
+    names = ("scale", "bias", "w", "head")
+    kinds = [("param", n) for n in names] + [("input", "x")]
+    graph = _graph(f, shapes, kinds)
+    product = _product_of(graph, "w")
+    ((images, needed),) = [
+        (images, needed)
+        for out, images, needed in graph.fused_products
+        if out == product
+    ]
+    assert needed
+    assert len(images) == 2  # the bias added, then its tanh
+    (tanh,) = [t for t in images if t in {lhs for _, lhs, _, _ in graph.products}]
+    assert kept_partials_factors(
+        graph, activation_products(graph, UNCUT, {}), frozenset({tanh})
+    ) == {tanh: 4.0}
+    assert split_parts(WIDTH, TOKENS, wide) == 4
+
+
+def test_partials_made_by_names_the_reading_products():
+    """The up projection's output (64 x 512) is read by the down one,
+    whose input gradient contracts 256 features into 64 x 512: split, so
+    the down product's output names where the partials are made."""
+
+    def f(up, down, x):
+        return jnp.tanh(x @ up) @ down
+
+    shapes = [(WIDTH, HIDDEN), (HIDDEN, WIDTH), (TOKENS, WIDTH)]
+    kinds = [("param", "up"), ("param", "down"), ("input", "x")]
+    graph = _graph(f, shapes, kinds)
+    down = _product_of(graph, "down")
+    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    products = activation_products(graph, UNCUT, {})
+    assert split_parts(WIDTH, TOKENS, HIDDEN) > 1
+    assert partials_made_by(graph, products) == {read: (down,)}
+    assert partials_made_by(graph, []) == {}  # no product read: none
 
 
 @pytest.mark.parametrize("tokens", [4096, 8192])
