@@ -174,14 +174,19 @@ def accelerator_peak(
             local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
         )
         largest[stage] = max(largest[stage], pair * part)
-    # A max pooling's backward pass reads its output's gradient and scatters
-    # it into a zeroed buffer of its operand's size, the operand's gradient.
+    # A max pooling's backward pass reads its output's gradient and the
+    # positions of each window's maximum (one int32 array of the output's
+    # shape per operand dim, made late: `graph/fusion._pooling_indices`)
+    # and scatters the gradient into a zeroed buffer of its operand's size,
+    # the operand's gradient.
     for source, output in graph.poolings:
         stage = position.get(graph.tensor_layers[output], last)
-        pair = sum(
-            local_bytes(graph.tensors[t], assignment, sizes) for t in (source, output)
-        )
-        largest[stage] = max(largest[stage], pair * part)
+        operand, pooled = graph.tensors[source], graph.tensors[output]
+        pooled_bytes = local_bytes(pooled, assignment, sizes)
+        positions = pooled_bytes / pooled.itemsize * 4 * len(operand.shape)
+        scatter = local_bytes(operand, assignment, sizes)
+        scattering = (scatter + pooled_bytes + positions) * part
+        largest[stage] = max(largest[stage], scattering)
     # The loss's gradient of an output a product makes (a head), which the
     # loss writes in float32 and the head's backward pass reads into both
     # its input's and its weight's gradient products, is live through that

@@ -40,14 +40,14 @@ def _pooling(graph: AxisGraph):
 
 
 @pytest.mark.parametrize("activation, relu", [("relu", 1), ("tanh", 0)])
-def test_a_max_pooling_keeps_the_positions_of_its_maxima(activation, relu):
+def test_a_max_pooled_relu_keeps_its_zero(activation, relu):
     graph = pooling_graph(activation)
     operand, output = _pooling(graph)
     assert (operand.shape, output.shape) == ((2, 8, 8, 4), (2, 4, 4, 4))
     kept = [k for k in graph.residuals if k.layers == ("pool",)]
-    # One int32 position array per operand dim (4) of the output's 128
-    # elements: 2048 bytes, the operand's own size; a ReLU's zero, one more.
-    assert [(k.tensor, k.scale) for k in kept] == [(operand.id, 1.0 + relu)]
+    # A ReLU's zero, one buffer of the operand's size, from the forward
+    # pass; the maxima's positions are made late, at the pooling's stage.
+    assert [(k.tensor, k.scale) for k in kept] == [(operand.id, 1.0)] * relu
 
 
 def test_the_poolings_stage_scatters_the_operands_gradient():
@@ -55,11 +55,13 @@ def test_the_poolings_stage_scatters_the_operands_gradient():
     kept, gradients, workspace = accelerator_peak(
         graph, Assignment({}), {}, frozenset()
     )
-    # At the pooling's backward stage: its output's gradient read, its
-    # operand's gradient scattered into a zeroed buffer beside it.
-    assert workspace == OPERAND + POOLED
-    # Kept there: the tanh output the pooling reads and its positions.
-    assert kept == 2 * OPERAND
+    # At the pooling's backward stage: its output's gradient and the
+    # positions of the maxima read (one int32 array per operand dim, 4, of
+    # the output's 128 elements: 2048 bytes, the operand's own size), the
+    # operand's gradient scattered into a zeroed buffer beside them.
+    assert workspace == OPERAND + POOLED + OPERAND
+    # Kept there: the tanh output the pooling reads.
+    assert kept == OPERAND
     # The head's gradients are made; the convolution's come below.
     assert gradients == 4 * (4 * 4 * CHANNELS * 2 + 2)
 
