@@ -115,11 +115,19 @@ def accelerator_peak(
     partials_makers = partials_made_by(graph, products)
 
     def held(terms) -> float:
+        # A value whose partials are kept is held as them alone: what else
+        # the backward pass reads of it (a ReLU's mask) is computed again
+        # from them (the zoo's subclassed model on 2x4: its ReLU Dense keeps
+        # four float32 partials and no mask).
+        per_tensor: dict[int, float] = {}
+        for tid, factor in terms:
+            if tid in partials_kept:
+                per_tensor[tid] = partials_kept[tid]
+            else:
+                per_tensor[tid] = per_tensor.get(tid, 0.0) + factor
         return part * sum(
-            local_bytes(graph.tensors[tid], assignment, sizes)
-            * factor
-            * partials_kept.get(tid, 1.0)
-            for tid, factor in terms
+            local_bytes(graph.tensors[tid], assignment, sizes) * factor
+            for tid, factor in per_tensor.items()
         )
 
     batch_classes = batch_carrying_classes(graph)

@@ -334,7 +334,10 @@ def kept_partials_factors(
     elementwise work reads the output (`AxisGraph.fused_products`: a
     GELU's input, a gated MLP's gate) and the backward pass keeps it, the
     backward fusions sum the partials again: the `S` partials are kept
-    (up to `KEPT_PARTS_LIMIT`). Products reading one input are one
+    (up to `KEPT_PARTS_LIMIT`), and the kept value too where a product
+    reads it (its weight gradient does: the zoo's tied model keeps its tanh
+    Dense's four partials and their sum, the subclassed model under
+    `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU). Products reading one input are one
     product (`DotMerger`), whose partials hold every member's output: the
     kept members carry the whole.
 
@@ -358,6 +361,7 @@ def kept_partials_factors(
     groups: dict[tuple, list[tuple[int, float]]] = {}
     for out, read, m, k, n in products:
         groups.setdefault((read, m, k), []).append((out, n))
+    read_by_products = {t for _, lhs, rhs, _ in graph.products for t in (lhs, rhs)}
     factors = {}
     for (_, m, k), members in groups.items():
         if any(out not in fused for out, _ in members):
@@ -371,6 +375,8 @@ def kept_partials_factors(
             if out in held_as:
                 tid = held_as[out]
                 factors[tid] = parts * total / held * 4.0 / graph.tensors[tid].itemsize
+                if tid in read_by_products:
+                    factors[tid] += 1.0
     return factors
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from keras_autoshard.graph.builder import build_axis_graph
+from keras_autoshard.planner.accelerator_peak import accelerator_peak
 from keras_autoshard.planner.cost_model import Assignment
 from keras_autoshard.planner.split_k import (
     activation_products,
@@ -153,8 +154,36 @@ def test_a_tanh_of_a_product_is_an_image_the_backward_pass_needs():
     (tanh,) = [t for t in images if t in {lhs for _, lhs, _, _ in graph.products}]
     assert kept_partials_factors(
         graph, activation_products(graph, UNCUT, {}), frozenset({tanh})
-    ) == {tanh: 4.0}
+    ) == {tanh: 5.0}
+    # Four float32 partials for the tanh's derivative, and the value (their
+    # sum) for the head's weight gradient, which reads it.
     assert split_parts(WIDTH, TOKENS, wide) == 4
+
+
+def test_a_relu_held_as_partials_keeps_no_mask():
+    """A ReLU of a product XLA:GPU splits in 4, read by another product:
+    the backward pass keeps the 4 float32 partials (the ReLU's derivative
+    computes its mask from them again) and the ReLU's output (the next
+    product's weight gradient reads it), not the mask the graph records
+    beside the output (the zoo's subclassed model on 2x4: no mask buffer
+    in XLA:GPU's program)."""
+
+    def f(scale, w, down, x):
+        return jax.nn.relu((x * scale) @ w) @ down
+
+    wide = 2 * HIDDEN
+    shapes = [(WIDTH,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "w", "down")] + [("input", "x")]
+    graph = _graph(f, shapes, kinds).for_platform("gpu")
+    down = _product_of(graph, "down")
+    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    kept = {(k.tensor, k.scale) for k in graph.residuals}
+    assert {(read, 1.0), (read, 0.25)} <= kept  # the output and its mask
+    products = activation_products(graph, UNCUT, {})
+    assert kept_partials_factors(graph, products, frozenset({read})) == {read: 5.0}
+    activations, _, _ = accelerator_peak(graph, UNCUT, {}, frozenset())
+    output_bytes, scaled_input = 4 * TOKENS * wide, 4 * TOKENS * WIDTH
+    assert activations == 5 * output_bytes + scaled_input
 
 
 def test_partials_made_by_names_the_reading_products():
