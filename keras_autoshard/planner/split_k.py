@@ -337,8 +337,9 @@ def kept_partials_factors(
     (up to `KEPT_PARTS_LIMIT`), and the kept value too where a product
     reads it (its weight gradient does: the zoo's tied model keeps its tanh
     Dense's four partials and their sum, the subclassed model under
-    `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU). Products reading one input are one
-    product (`DotMerger`), whose partials hold every member's output: the
+    `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU).
+    Products reading one input are one product (`DotMerger`), whose
+    partials hold every member's output: the
     kept members carry the whole.
 
     Args:
