@@ -339,8 +339,7 @@ def kept_partials_factors(
     Dense's four partials and their sum, the subclassed model under
     `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU).
     Products reading one input are one product (`DotMerger`), whose
-    partials hold every member's output: the
-    kept members carry the whole.
+    partials hold every member's output: the kept members carry the whole.
 
     Args:
         graph: The model's axis graph.
@@ -424,10 +423,9 @@ def partials_made_by(
     Returns:
         The reading products' outputs per activation (others absent).
     """
-    split = input_gradient_partials(graph, products)
     readers: dict[int, tuple[int, ...]] = {}
-    for out, read, *_ in products:
-        if read in split:
+    for out, read, m, k, n in products:
+        if split_parts(n, m, k) > 1 and graph.tensors[read].requires_grad:
             readers[read] = (*readers.get(read, ()), out)
     return readers
 
