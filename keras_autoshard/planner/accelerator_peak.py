@@ -131,16 +131,16 @@ def accelerator_peak(
         )
 
     batch_classes = batch_carrying_classes(graph)
-    outputs = set(graph.outputs)
-    # A product whose image is an output (a bias added): its gradient is
-    # the output's, the loss's (`loss_gradient` below).
-    outputs.update(
-        out for out, images, _ in graph.fused_products if outputs.intersection(images)
+    # The outputs, and a product whose image is an output (a bias added):
+    # their gradient is the loss's (`loss_gradient` below).
+    loss_made = set(graph.outputs)
+    loss_made.update(
+        out for out, images, _ in graph.fused_products if loss_made.intersection(images)
     )
     largest = [0.0] * len(stages)
     formed = [0.0] * len(stages)  # gradients made in partials for a layer below
     for tensor in graph.tensors:
-        if tensor.kind != "activation" or tensor.id in outputs:
+        if tensor.kind != "activation" or tensor.id in loss_made:
             continue
         if not batch_classes.intersection(tensor.dim_classes):
             continue

@@ -361,6 +361,12 @@ def kept_partials_factors(
     groups: dict[tuple, list[tuple[int, float]]] = {}
     for out, read, m, k, n in products:
         groups.setdefault((read, m, k), []).append((out, n))
+    # Read by an unbatched product, whose weight gradient reads it. Not
+    # `AxisGraph.matmul_operand_ids`, which holds the heads the attention's
+    # batched products read too: counting them beside the merged
+    # query-key-value partials put the zoo's transformers 0.01-0.02 higher
+    # (GPT-2 on 2x4, already over, further), where XLA:GPU frees the
+    # partials once it has made the heads.
     read_by_products = {t for _, lhs, rhs, _ in graph.products for t in (lhs, rhs)}
     factors = {}
     for (_, m, k), members in groups.items():
@@ -401,11 +407,23 @@ def input_gradient_partials(
         absent).
     """
     extra: dict[int, int] = {}
-    for _, read, m, k, n in products:
+    for _, read, split in _split_input_gradients(graph, products):
+        extra[read] = extra.get(read, 0) + split - 1
+    return extra
+
+
+def _split_input_gradients(
+    graph: AxisGraph, products: list[ProductDims]
+) -> list[tuple[int, int, int]]:
+    """(product output, activation read, parts) of each product whose
+    input gradient (the output's gradient times the weight, contracted over
+    the output's features) XLA:GPU splits in `parts > 1`."""
+    found = []
+    for out, read, m, k, n in products:
         split = split_parts(n, m, k)
         if split > 1 and graph.tensors[read].requires_grad:
-            extra[read] = extra.get(read, 0) + split - 1
-    return extra
+            found.append((out, read, split))
+    return found
 
 
 def partials_made_by(
@@ -424,9 +442,8 @@ def partials_made_by(
         The reading products' outputs per activation (others absent).
     """
     readers: dict[int, tuple[int, ...]] = {}
-    for out, read, m, k, n in products:
-        if split_parts(n, m, k) > 1 and graph.tensors[read].requires_grad:
-            readers[read] = (*readers.get(read, ()), out)
+    for out, read, _ in _split_input_gradients(graph, products):
+        readers[read] = (*readers.get(read, ()), out)
     return readers
 
 
