@@ -17,7 +17,12 @@ from keras_autoshard.graph.axis_graph import (
     TensorNode,
 )
 from keras_autoshard.graph.events import final_events
-from keras_autoshard.graph.fusion import cast_pairs, kept_after_fusion, product_images
+from keras_autoshard.graph.fusion import (
+    cast_pairs,
+    expensively_read_products,
+    kept_after_fusion,
+    product_images,
+)
 from keras_autoshard.graph.kv_cache import key_value_pairs
 
 if TYPE_CHECKING:
@@ -64,6 +69,7 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
             for out, operands in sorted(builder.unbatched_products.items())
         ),
         fused_products=product_images(builder),
+        expensively_read_products=expensively_read_products(builder),
         casts=cast_pairs(builder),
         relaid_operands=tuple(sorted(builder.relaid_operands)),
         param_views=tuple(

@@ -267,6 +267,10 @@ class AxisGraph:
             results into those readers, so where the backward pass keeps
             the output or an image it keeps the partials instead
             (`graph/fusion.py`'s `product_images`).
+        expensively_read_products: Outputs of those `products` that the
+            fusible work after them turns by an expensive elementwise
+            primitive (a GELU's tanh; not a ReLU's `max`): XLA:GPU keeps
+            fewer of their partial results (`planner/split_k.py`).
         casts: `(cast, source)` tensor ids: each parameter or activation
             converted to another precision, the shape kept (a parameter's
             bfloat16 cast under `mixed_bfloat16`, which a product then reads
@@ -324,6 +328,7 @@ class AxisGraph:
     matmul_pairs: tuple[tuple[int, int], ...] = ()
     products: tuple[tuple[int, int, int, int], ...] = ()
     fused_products: tuple[tuple[int, tuple[int, ...], bool], ...] = ()
+    expensively_read_products: tuple[int, ...] = ()
     casts: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     param_views: tuple[tuple[int, int], ...] = ()

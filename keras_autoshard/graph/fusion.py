@@ -59,6 +59,20 @@ CHEAP = frozenset(
 )  # fmt: skip
 
 
+# Elementwise primitives XLA counts as expensive (`HloInstruction::IsExpensive`,
+# by their JAX names). Where one reads a split product's sum in the fusible
+# work after it (a GELU's tanh), XLA:GPU keeps fewer of the product's
+# partials for the backward pass than where only cheap work does (a ReLU's
+# `max`): `expensively_read_products`, `planner/split_k.py`.
+EXPENSIVE = frozenset(
+    {
+        "atan2", "cbrt", "cos", "div", "erf", "erf_inv", "erfc", "exp", "exp2",
+        "expm1", "log", "log1p", "logistic", "pow", "rem", "rsqrt", "sin",
+        "sqrt", "tan", "tanh",
+    }
+)  # fmt: skip
+
+
 # Activations whose derivative reads their output, which XLA:GPU computes
 # again in the backward pass's fusion from a split product's partial
 # results (their sum, the bias and the activation) rather than keep: read
@@ -370,6 +384,37 @@ def _operand_roots(
     return roots
 
 
+def _fused_readers(builder: Any) -> dict[int, list[int]]:
+    """Tensor id (a view's source for a view) -> the fusible equations'
+    outputs that read it."""
+    fused_readers: dict[int, list[int]] = {}
+    for out, ins in builder.fused_from.items():
+        for tid in ins:
+            fused_readers.setdefault(builder.view_of.get(tid, tid), []).append(out)
+    return fused_readers
+
+
+def expensively_read_products(builder: Any) -> tuple[int, ...]:
+    """`AxisGraph.expensively_read_products`: each unbatched product whose
+    output the fusible work after it (followed through every elementwise
+    step up to the next unfusible equation) turns by an `EXPENSIVE`
+    primitive: a GELU's input (its tanh), not a ReLU's (its `max`)."""
+    fused_readers = _fused_readers(builder)
+    found = []
+    for out in sorted(builder.unbatched_products):
+        seen, todo = {out}, [out]
+        while todo:
+            tid = todo.pop()
+            if builder.made_by.get(tid) in EXPENSIVE:
+                found.append(out)
+                break
+            for reader in fused_readers.get(tid, ()):
+                if reader not in seen:
+                    seen.add(reader)
+                    todo.append(reader)
+    return tuple(found)
+
+
 def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...]:
     """`AxisGraph.fused_products`: each unbatched product whose output no
     unfusible equation reads (directly or through a view), its images
@@ -384,10 +429,7 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
     `OPERAND_EMITTED` equation (an exact GELU's `erfc`: the forward fusion
     emits the biased product beside it, and the backward pass reads that).
     """
-    fused_readers: dict[int, list[int]] = {}
-    for out, ins in builder.fused_from.items():
-        for tid in ins:
-            fused_readers.setdefault(builder.view_of.get(tid, tid), []).append(out)
+    fused_readers = _fused_readers(builder)
     needed = {builder.view_of.get(tid, tid) for tid, _ in builder.residuals}
 
     def size(tid: int) -> int:

@@ -25,8 +25,8 @@ from keras_autoshard.planner.split_k import (
     activation_products,
     gradient_buffers,
     kept_partials_factors,
+    merged_split_gradient_bytes,
     partials_made_by,
-    split_gradient_bytes,
 )
 from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
 
@@ -211,7 +211,7 @@ def accelerator_peak(
                 part * local_bytes(tensor, assignment, sizes) * 4.0 / tensor.itemsize
             )
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
-    split = split_gradient_bytes(graph, whole, sizes)
+    split = merged_split_gradient_bytes(graph, whole, sizes)
     partials = [0.0] * len(stages)  # split-K partial products made there
     made_above = [0.0] * (len(stages) + 1)  # gradients of stages >= i
     combined = [0.0] * len(stages)  # the largest combined reduction so far

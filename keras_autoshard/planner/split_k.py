@@ -179,10 +179,16 @@ DIMS_LOG2 = (4, 12)  # the grid's least and greatest output dim, log2
 # No split from this many output elements on, whatever K.
 UNSPLIT_ELEMENTS = 2**22
 # The most partial results XLA:GPU keeps in a forward product's output's
-# place (`kept_partials_factors`): the zoo's GPT-2 and Gemma on 2x4, 1x8 and
-# 8x1 keep their MLP products' 4 partials; BERT on 2x4, split in 8, has its
-# forward fusion emit the biased product beside the GELU it feeds.
+# place (`kept_partials_factors`) where an expensive primitive reads its sum
+# (`AxisGraph.expensively_read_products`): the zoo's GPT-2 and Gemma on 2x4,
+# 1x8 and 8x1 keep their GELU products' 4 partials; BERT on 2x4, split in 8,
+# has its forward fusion emit the biased product beside the GELU it feeds.
 KEPT_PARTS_LIMIT = 4
+# The same where only cheap work reads it (a ReLU's `max`): the zoo's OPT on
+# 2x4 keeps its ReLU products' 8 partials, in float32 and under
+# `mixed_bfloat16` (`tests/planner/test_kept_partials_gpu.py`: a ReLU block
+# keeps them where the same block with GELU does not). Not measured beyond 8.
+CHEAPLY_READ_KEPT_PARTS_LIMIT = 8
 
 
 def split_parts(tokens: float, m: float, n: float) -> int:
@@ -209,23 +215,12 @@ def split_parts(tokens: float, m: float, n: float) -> int:
     return table[index(m)][index(n)]
 
 
-def split_gradient_bytes(
+def _split_gradient_groups(
     graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> dict[int, float]:
-    """Parameter id -> bytes of its gradient's partial products where
-    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
-    small weights against many tokens), live until they are summed.
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out (the
-            gradient is formed in the compute layout).
-        sizes: Mesh axis name -> size.
-
-    Returns:
-        Float32 bytes of the partial products per device, for the
-        parameters whose gradient is split (others are absent).
-    """
+) -> list[list[tuple[int, int, float]]]:
+    """The weight-gradient products XLA:GPU splits, each as its members
+    `(read tensor, weight id, float32 bytes of its partials)`: the products
+    of weights that read one input over the same tokens are one (`DotMerger`)."""
     # A weight read in a lower precision (`mixed_bfloat16`) is contracted as
     # its cast (`AxisGraph.param_casts`).
     weights = {t.id: t for t in graph.tensors if t.kind == "param"}
@@ -265,17 +260,64 @@ def split_gradient_bytes(
             else:
                 n *= local
         groups.setdefault((source, tokens, m), []).append((event.tensor, weight.id, n))
-    by_read: dict[int, tuple[int, float]] = {}  # read tensor -> (weight, bytes)
+    split = []
     for (_, tokens, m), members in groups.items():
         parts = split_parts(tokens, m, sum(n for _, _, n in members))
-        for read, weight, n in members:
-            size = 4.0 * parts * m * n if parts > 1 else 0.0
+        if parts > 1:
+            split.append([(read, w, 4.0 * parts * m * n) for read, w, n in members])
+    return split
+
+
+def split_gradient_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, float]:
+    """Parameter id -> bytes of its gradient's partial products where
+    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
+    small weights against many tokens), live until they are summed.
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (the
+            gradient is formed in the compute layout).
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Float32 bytes of the partial products per device, for the
+        parameters whose gradient is split (others are absent).
+    """
+    by_read: dict[int, tuple[int, float]] = {}  # read tensor -> (weight, bytes)
+    for members in _split_gradient_groups(graph, assignment, sizes):
+        for read, weight, size in members:
             by_read[read] = (weight, max(size, by_read.get(read, (0, 0.0))[1]))
     held: dict[int, float] = {}
     for weight, size in by_read.values():
-        if size:
-            held[weight] = held.get(weight, 0.0) + size
+        held[weight] = held.get(weight, 0.0) + size
     return held
+
+
+def merged_split_gradient_bytes(
+    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
+) -> dict[int, float]:
+    """Parameter id -> bytes of the partial products of the merged
+    weight-gradient product its gradient is made by (`split_gradient_bytes`
+    of every weight that reads the same input over the same tokens, made at
+    once: a query, key and value Dense's 3 x 256 KiB on a 256-wide block
+    split in 4, `tests/planner/test_kept_partials_gpu.py`).
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out.
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Float32 bytes per device, for the parameters whose gradient is split.
+    """
+    merged: dict[int, float] = {}
+    for members in _split_gradient_groups(graph, assignment, sizes):
+        total = sum(size for _, _, size in members)
+        for _, weight, _ in members:
+            merged[weight] = max(merged.get(weight, 0.0), total)
+    return merged
 
 
 def _local_size(tensor, assignment: Assignment, sizes, dims) -> float:
@@ -334,7 +376,9 @@ def kept_partials_factors(
     elementwise work reads the output (`AxisGraph.fused_products`: a
     GELU's input, a gated MLP's gate) and the backward pass keeps it, the
     backward fusions sum the partials again: the `S` partials are kept
-    (up to `KEPT_PARTS_LIMIT`), and the kept value too where a product
+    (up to `KEPT_PARTS_LIMIT` where an expensive primitive reads the sum,
+    `CHEAPLY_READ_KEPT_PARTS_LIMIT` where only cheap work does; none where
+    the product makes attention heads itself), and the kept value too where a product
     reads it (its weight gradient does: the zoo's tied model keeps its tanh
     Dense's four partials and their sum, the subclassed model under
     `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU).
@@ -368,14 +412,27 @@ def kept_partials_factors(
     # (GPT-2 on 2x4, already over, further), where XLA:GPU frees the
     # partials once it has made the heads.
     read_by_products = {t for _, lhs, rhs, _ in graph.products for t in (lhs, rhs)}
+    # A product whose weight has two free dims or more makes attention heads
+    # itself (KerasHub's `EinsumDense` "abc,cde->abde"): XLA:GPU makes the
+    # biased heads in the layout the attention reads and frees the partials
+    # (a Dense whose output is reshaped into heads keeps them, to make a
+    # head again in the backward pass: `tests/planner/test_kept_partials_gpu.py`).
+    makes_heads = {
+        out for out, _, _, lhs_free in graph.products
+        if len(graph.tensors[out].shape) - lhs_free > 1
+    }  # fmt: skip
+    expensive = set(graph.expensively_read_products)
     factors = {}
     for (_, m, k), members in groups.items():
-        if any(out not in fused for out, _ in members):
-            continue  # the sum is materialised for an unfusible reader
+        if any(out not in fused or out in makes_heads for out, _ in members):
+            continue  # the sum is materialised (unfusible reader, heads)
         total = sum(n for _, n in members)
         parts = split_parts(k, m, total)
         held = sum(n for out, n in members if out in held_as)
-        if not 1 < parts <= KEPT_PARTS_LIMIT or not held:
+        limit = CHEAPLY_READ_KEPT_PARTS_LIMIT
+        if expensive.intersection(out for out, _ in members):
+            limit = KEPT_PARTS_LIMIT
+        if not 1 < parts <= limit or not held:
             continue
         for out, _ in members:
             if out in held_as:

@@ -12,7 +12,9 @@ from keras_autoshard.planner.split_k import (
     activation_products,
     input_gradient_partials,
     kept_partials_factors,
+    merged_split_gradient_bytes,
     partials_made_by,
+    split_gradient_bytes,
     split_parts,
 )
 
@@ -89,10 +91,13 @@ def test_kept_partials_of_a_merged_product():
 def test_more_partials_than_xla_keeps_are_not_kept():
     """Gate and up cut 4 ways over their features (64 tokens by 256 over
     256 on a device): `split_parts` says 8, more than XLA:GPU keeps in the
-    output's place (`KEPT_PARTS_LIMIT`: BERT's MLP on 2x4, split in 8, has
-    its biased product emitted instead)."""
+    output's place where an expensive primitive reads it (the GELU's tanh:
+    `KEPT_PARTS_LIMIT`; BERT's MLP on 2x4, split in 8, has its biased
+    product emitted instead)."""
     graph = gated(approximate=True)
     gate, up = _product_of(graph, "gate"), _product_of(graph, "up")
+    # The gate's GELU turns it by a tanh; the up is only multiplied.
+    assert set(graph.expensively_read_products) == {gate}
     features = graph.tensors[gate].dim_classes[1]
     cut = Assignment(class_axis={features: "model"})
     assert split_parts(WIDTH, TOKENS, 2 * HIDDEN / 4) == 8
@@ -103,6 +108,89 @@ def test_more_partials_than_xla_keeps_are_not_kept():
         )
         == {}
     )
+
+
+def test_a_relu_keeps_eight_partials():
+    """A ReLU Dense cut 4 ways over its features (64 tokens by 256 over
+    256 on a device), split in 8 as the gated GELU above: only cheap work
+    reads the sum (`max`), so XLA:GPU keeps the 8 partials
+    (`CHEAPLY_READ_KEPT_PARTS_LIMIT`: the zoo's OPT on 2x4), and the ReLU's
+    output beside them (the next product's weight gradient reads it)."""
+
+    def f(scale, w, down, x):
+        return jax.nn.relu((x * scale) @ w) @ down
+
+    wide = 2 * HIDDEN
+    shapes = [(WIDTH,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "w", "down")] + [("input", "x")]
+    graph = _graph(f, shapes, kinds).for_platform("gpu")
+    down = _product_of(graph, "down")
+    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    assert not set(graph.expensively_read_products) & {_product_of(graph, "w")}
+    features = graph.param("w").dim_classes[1]
+    cut = Assignment(class_axis={features: "model"})
+    assert split_parts(WIDTH, TOKENS, wide / 4) == 8
+    products = activation_products(graph, cut, {"model": 4})
+    assert kept_partials_factors(graph, products, frozenset({read})) == {read: 9.0}
+
+
+def attention_scores(heads_by_product: bool):
+    """A query and a key of 8 heads of 32 made from one scaled input, their
+    scores' softmax: each by a product whose weight has the heads' two dims
+    (`heads_by_product`, KerasHub's `EinsumDense`), or by a product of 256
+    features whose biased output is reshaped into the heads."""
+    heads, head = 8, WIDTH // 8
+
+    def f(scale, wq, bq, wk, bk, x):
+        h = x * scale
+        if heads_by_product:
+            q = jnp.einsum("tc,chd->thd", h, wq) + bq
+            k = jnp.einsum("tc,chd->thd", h, wk) + bk
+        else:
+            q = (h @ wq + bq).reshape(TOKENS, heads, head)
+            k = (h @ wk + bk).reshape(TOKENS, heads, head)
+        return jnp.sum(jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k), axis=-1))
+
+    weight = (WIDTH, heads, head) if heads_by_product else (WIDTH, WIDTH)
+    bias = (heads, head) if heads_by_product else (WIDTH,)
+    shapes = [(WIDTH,), weight, bias, weight, bias, (TOKENS, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "wq", "bq", "wk", "bk")]
+    return _graph(f, shapes, [*kinds, ("input", "x")]).for_platform("gpu")
+
+
+@pytest.mark.parametrize("heads_by_product", [False, True])
+def test_heads_a_product_makes_keep_no_partials(heads_by_product):
+    """The merged query-key product (64 tokens by 512 over 256, split in
+    4): where its outputs are reshaped into heads the backward pass keeps
+    the partials (the zoo's subclassed model), where the product makes the
+    heads itself XLA:GPU materialises them and frees the partials (GPT-2,
+    OPT and BERT on 2x4; `tests/planner/test_kept_partials_gpu.py`)."""
+    graph = attention_scores(heads_by_product)
+    kept = frozenset(k.tensor for k in graph.residuals)
+    assert split_parts(WIDTH, TOKENS, 2 * WIDTH) == 4
+    factors = kept_partials_factors(graph, activation_products(graph, UNCUT, {}), kept)
+    assert bool(factors) != heads_by_product, factors
+
+
+def test_a_merged_weight_gradient_holds_every_member_s_partials():
+    """A query, key and value reading one input of 1024 tokens: their
+    weight gradients are one product (256 by 768 over 1024 tokens, split
+    in 4), whose partials hold all three kernels' at once."""
+
+    def f(wq, wk, wv, x):
+        return jnp.sum((x @ wq) * (x @ wk) + x @ wv)
+
+    tokens = 1024
+    shapes = [*[(WIDTH, WIDTH)] * 3, (tokens, WIDTH)]
+    kinds = [("param", n) for n in ("wq", "wk", "wv")] + [("input", "x")]
+    graph = _graph(f, shapes, kinds)
+    parts = split_parts(tokens, WIDTH, 3 * WIDTH)
+    assert parts == 4
+    share = 4.0 * parts * WIDTH * WIDTH
+    weights = [graph.param(n).id for n in ("wq", "wk", "wv")]
+    assert split_gradient_bytes(graph, UNCUT, {}) == dict.fromkeys(weights, share)
+    merged = merged_split_gradient_bytes(graph, UNCUT, {})
+    assert merged == dict.fromkeys(weights, 3 * share)
 
 
 def test_input_gradient_partials_of_three_projections():
