@@ -58,8 +58,9 @@ def accelerator_peak(
     activation several products read, each product's input gradient (in
     its partials where XLA:GPU splits it, `split_k.input_gradient_partials`)
     beside their sum, with the partial products of the layer's weight
-    gradients XLA:GPU splits over the tokens (`split_k.split_gradient_bytes`:
-    one product's at a time, each summed as made; none at real widths);
+    gradients XLA:GPU splits over the tokens
+    (`split_k.merged_split_gradient_bytes`: products reading one input merged,
+    one merged product's at a time, each summed as made; none at real widths);
     where a product of a later layer makes an activation's gradient in
     split partials, that layer's backward pass holds them and their sum
     instead (`split_k.partials_made_by`); and at a head's stage the loss's

@@ -6,7 +6,8 @@ device) into an output of the weight's size. When that output is small
 against `K`, XLA:GPU splits the contraction ("split-K"): `S` partial
 products of the output's size, in float32, summed afterwards.
 `accelerator_peak.accelerator_peak` counts the largest product's partials of
-a layer's weight gradients (`split_gradient_bytes`) while that layer's
+a layer's weight gradients (`merged_split_gradient_bytes`: the weights that
+read one input are one product) while that layer's
 backward pass runs: each product's are summed as it is made (read off
 XLA:GPU's buffers at the compiled peak of the zoo's Llama on 2x4:
 `f32[8,128,256]` partial products, 8 of them over 256 local tokens, beside
