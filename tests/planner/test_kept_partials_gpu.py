@@ -70,28 +70,8 @@ class Block(keras.layers.Layer):
         return x + down(up(self.norms[1](x)))
 
 
-class Blocks(keras.Model):
-    """`Block`s of the given (heads_by, activation), then a small head."""
-
-    def __init__(self, kinds, **kwargs):
-        super().__init__(**kwargs)
-        self.blocks = [
-            Block(*kind, name=f"{kind[0]}_{i}") for i, kind in enumerate(kinds)
-        ]
-        self.head = keras.layers.Dense(8, name="head")
-
-    def build(self, input_shape):
-        for block in self.blocks:
-            block.build(input_shape)
-        self.head.build(input_shape)
-
-    def call(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-# case -> the blocks of its model.
+# case -> the blocks of its model, `(heads_by, activation)` each, before a
+# small head.
 CASES = {
     "heads by reshape": (("reshape",), ("reshape",)),
     "heads by einsum": (("einsum",), ("einsum",)),
@@ -106,7 +86,10 @@ def compiled(case: str):
     """(plan, compiled step) of one case, compiled once per session."""
 
     def build():
-        model = Blocks(CASES[case])
+        blocks = [
+            Block(*kind, name=f"{kind[0]}_{i}") for i, kind in enumerate(CASES[case])
+        ]
+        model = keras.Sequential([*blocks, keras.layers.Dense(8, name="head")])
         model.build((None, TOKENS, WIDTH))
         return model
 

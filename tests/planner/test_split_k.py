@@ -110,6 +110,26 @@ def test_more_partials_than_xla_keeps_are_not_kept():
     )
 
 
+RELU_WIDE = 2 * HIDDEN
+
+
+def relu_dense():
+    """A ReLU of a scaled input's product (64 tokens, 256 -> `RELU_WIDE`)
+    read by another product: the graph as XLA:GPU keeps residuals, and the
+    ReLU's output."""
+
+    def f(scale, w, down, x):
+        return jax.nn.relu((x * scale) @ w) @ down
+
+    wide = RELU_WIDE
+    shapes = [(WIDTH,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
+    kinds = [("param", n) for n in ("scale", "w", "down")] + [("input", "x")]
+    graph = _graph(f, shapes, kinds).for_platform("gpu")
+    down = _product_of(graph, "down")
+    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    return graph, read
+
+
 def test_a_relu_keeps_eight_partials():
     """A ReLU Dense cut 4 ways over its features (64 tokens by 256 over
     256 on a device), split in 8 as the gated GELU above: only cheap work
@@ -117,19 +137,11 @@ def test_a_relu_keeps_eight_partials():
     (`CHEAPLY_READ_KEPT_PARTS_LIMIT`: the zoo's OPT on 2x4), and the ReLU's
     output beside them (the next product's weight gradient reads it)."""
 
-    def f(scale, w, down, x):
-        return jax.nn.relu((x * scale) @ w) @ down
-
-    wide = 2 * HIDDEN
-    shapes = [(WIDTH,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
-    kinds = [("param", n) for n in ("scale", "w", "down")] + [("input", "x")]
-    graph = _graph(f, shapes, kinds).for_platform("gpu")
-    down = _product_of(graph, "down")
-    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    graph, read = relu_dense()
     assert not set(graph.expensively_read_products) & {_product_of(graph, "w")}
     features = graph.param("w").dim_classes[1]
     cut = Assignment(class_axis={features: "model"})
-    assert split_parts(WIDTH, TOKENS, wide / 4) == 8
+    assert split_parts(WIDTH, TOKENS, RELU_WIDE / 4) == 8
     products = activation_products(graph, cut, {"model": 4})
     assert kept_partials_factors(graph, products, frozenset({read})) == {read: 9.0}
 
@@ -256,21 +268,13 @@ def test_a_relu_held_as_partials_keeps_no_mask():
     beside the output (the zoo's subclassed model on 2x4: no mask buffer
     in XLA:GPU's program)."""
 
-    def f(scale, w, down, x):
-        return jax.nn.relu((x * scale) @ w) @ down
-
-    wide = 2 * HIDDEN
-    shapes = [(WIDTH,), (WIDTH, wide), (wide, 16), (TOKENS, WIDTH)]
-    kinds = [("param", n) for n in ("scale", "w", "down")] + [("input", "x")]
-    graph = _graph(f, shapes, kinds).for_platform("gpu")
-    down = _product_of(graph, "down")
-    (read,) = [lhs for out, lhs, _, _ in graph.products if out == down]
+    graph, read = relu_dense()
     kept = {(k.tensor, k.scale) for k in graph.residuals}
     assert {(read, 1.0), (read, 0.25)} <= kept  # the output and its mask
     products = activation_products(graph, UNCUT, {})
     assert kept_partials_factors(graph, products, frozenset({read})) == {read: 5.0}
     activations, _, _ = accelerator_peak(graph, UNCUT, {}, frozenset())
-    output_bytes, scaled_input = 4 * TOKENS * wide, 4 * TOKENS * WIDTH
+    output_bytes, scaled_input = 4 * TOKENS * RELU_WIDE, 4 * TOKENS * WIDTH
     assert activations == 5 * output_bytes + scaled_input
 
 
