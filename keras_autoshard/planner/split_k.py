@@ -269,12 +269,15 @@ def _split_gradient_groups(
     return split
 
 
-def split_gradient_bytes(
+def merged_split_gradient_bytes(
     graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
 ) -> dict[int, float]:
-    """Parameter id -> bytes of its gradient's partial products where
-    XLA:GPU splits the weight-gradient contraction (`split_k.split_parts`:
-    small weights against many tokens), live until they are summed.
+    """Parameter id -> bytes of the partial products where XLA:GPU splits
+    the contraction that makes its gradient (`split_parts`: small weights
+    against many tokens), live until they are summed: those of the whole
+    merged product, where weights read one input over the same tokens (a
+    query, key and value Dense's, 3 x 256 KiB on a 256-wide block split in
+    4, made at once: `tests/planner/test_kept_partials_gpu.py`).
 
     Args:
         graph: The model's axis graph.
@@ -285,33 +288,6 @@ def split_gradient_bytes(
     Returns:
         Float32 bytes of the partial products per device, for the
         parameters whose gradient is split (others are absent).
-    """
-    by_read: dict[int, tuple[int, float]] = {}  # read tensor -> (weight, bytes)
-    for members in _split_gradient_groups(graph, assignment, sizes):
-        for read, weight, size in members:
-            by_read[read] = (weight, max(size, by_read.get(read, (0, 0.0))[1]))
-    held: dict[int, float] = {}
-    for weight, size in by_read.values():
-        held[weight] = held.get(weight, 0.0) + size
-    return held
-
-
-def merged_split_gradient_bytes(
-    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> dict[int, float]:
-    """Parameter id -> bytes of the partial products of the merged
-    weight-gradient product its gradient is made by (`split_gradient_bytes`
-    of every weight that reads the same input over the same tokens, made at
-    once: a query, key and value Dense's 3 x 256 KiB on a 256-wide block
-    split in 4, `tests/planner/test_kept_partials_gpu.py`).
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out.
-        sizes: Mesh axis name -> size.
-
-    Returns:
-        Float32 bytes per device, for the parameters whose gradient is split.
     """
     merged: dict[int, float] = {}
     for members in _split_gradient_groups(graph, assignment, sizes):
@@ -379,8 +355,8 @@ def kept_partials_factors(
     backward fusions sum the partials again: the `S` partials are kept
     (up to `KEPT_PARTS_LIMIT` where an expensive primitive reads the sum,
     `CHEAPLY_READ_KEPT_PARTS_LIMIT` where only cheap work does; none where
-    the product makes attention heads itself), and the kept value too where a product
-    reads it (its weight gradient does: the zoo's tied model keeps its tanh
+    the product makes attention heads itself), and the kept value too where
+    a product reads it (its weight gradient does: the zoo's tied model keeps its tanh
     Dense's four partials and their sum, the subclassed model under
     `mixed_bfloat16` its ReLU Dense's partials and the bfloat16 ReLU).
     Products reading one input are one product (`DotMerger`), whose

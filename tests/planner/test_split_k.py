@@ -14,7 +14,6 @@ from keras_autoshard.planner.split_k import (
     kept_partials_factors,
     merged_split_gradient_bytes,
     partials_made_by,
-    split_gradient_bytes,
     split_parts,
 )
 
@@ -198,9 +197,8 @@ def test_a_merged_weight_gradient_holds_every_member_s_partials():
     graph = _graph(f, shapes, kinds)
     parts = split_parts(tokens, WIDTH, 3 * WIDTH)
     assert parts == 4
-    share = 4.0 * parts * WIDTH * WIDTH
+    share = 4.0 * parts * WIDTH * WIDTH  # one kernel's part of the partials
     weights = [graph.param(n).id for n in ("wq", "wk", "wv")]
-    assert split_gradient_bytes(graph, UNCUT, {}) == dict.fromkeys(weights, share)
     merged = merged_split_gradient_bytes(graph, UNCUT, {})
     assert merged == dict.fromkeys(weights, 3 * share)
 
