@@ -394,25 +394,37 @@ def _fused_readers(builder: Any) -> dict[int, list[int]]:
     return fused_readers
 
 
+def _reaches(
+    builder: Any,
+    fused_readers: dict[int, list[int]],
+    start: int,
+    primitives: frozenset[str],
+) -> bool:
+    """Whether the fusible work after `start` (followed through every
+    elementwise step up to the next unfusible equation) makes a value by
+    one of `primitives`."""
+    seen, todo = {start}, [start]
+    while todo:
+        tid = todo.pop()
+        if builder.made_by.get(tid) in primitives:
+            return True
+        for reader in fused_readers.get(tid, ()):
+            if reader not in seen:
+                seen.add(reader)
+                todo.append(reader)
+    return False
+
+
 def expensively_read_products(builder: Any) -> tuple[int, ...]:
     """`AxisGraph.expensively_read_products`: each unbatched product whose
-    output the fusible work after it (followed through every elementwise
-    step up to the next unfusible equation) turns by an `EXPENSIVE`
-    primitive: a GELU's input (its tanh), not a ReLU's (its `max`)."""
+    output the fusible work after it turns by an `EXPENSIVE` primitive
+    (`_reaches`): a GELU's input (its tanh), not a ReLU's (its `max`)."""
     fused_readers = _fused_readers(builder)
-    found = []
-    for out in sorted(builder.unbatched_products):
-        seen, todo = {out}, [out]
-        while todo:
-            tid = todo.pop()
-            if builder.made_by.get(tid) in EXPENSIVE:
-                found.append(out)
-                break
-            for reader in fused_readers.get(tid, ()):
-                if reader not in seen:
-                    seen.add(reader)
-                    todo.append(reader)
-    return tuple(found)
+    return tuple(
+        out
+        for out in sorted(builder.unbatched_products)
+        if _reaches(builder, fused_readers, out, EXPENSIVE)
+    )
 
 
 def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...]:
@@ -435,18 +447,6 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
     def size(tid: int) -> int:
         return math.prod(builder.tensors[tid].shape)
 
-    def emits_operand(start: int) -> bool:
-        seen, todo = {start}, [start]
-        while todo:
-            tid = todo.pop()
-            if builder.made_by.get(tid) in OPERAND_EMITTED:
-                return True
-            for reader in fused_readers.get(tid, ()):
-                if reader not in seen:
-                    seen.add(reader)
-                    todo.append(reader)
-        return False
-
     def images(start: int) -> tuple[int, ...]:
         found, todo = [], [start]
         while todo:
@@ -468,6 +468,6 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
         if out in builder.unfused_readers or out in builder.readers_through_views:
             continue
         made = images(out)
-        if not emits_operand(out):
+        if not _reaches(builder, fused_readers, out, OPERAND_EMITTED):
             fused.append((out, made, bool(needed.intersection((out, *made)))))
     return tuple(fused)

@@ -216,12 +216,26 @@ def split_parts(tokens: float, m: float, n: float) -> int:
     return table[index(m)][index(n)]
 
 
-def _split_gradient_groups(
+def merged_split_gradient_bytes(
     graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> list[list[tuple[int, int, float]]]:
-    """The weight-gradient products XLA:GPU splits, each as its members
-    `(read tensor, weight id, float32 bytes of its partials)`: the products
-    of weights that read one input over the same tokens are one (`DotMerger`)."""
+) -> dict[int, float]:
+    """Parameter id -> bytes of the partial products where XLA:GPU splits
+    the contraction that makes its gradient (`split_parts`: small weights
+    against many tokens), live until they are summed: those of the whole
+    merged product, where weights read one input over the same tokens (a
+    query, key and value Dense's, 3 x 256 KiB on a 256-wide block split in
+    4, made at once, XLA's `DotMerger`: `tests/planner/test_kept_partials_gpu.py`).
+
+    Args:
+        graph: The model's axis graph.
+        assignment: The candidate sharding, FSDP cuts left out (the
+            gradient is formed in the compute layout).
+        sizes: Mesh axis name -> size.
+
+    Returns:
+        Float32 bytes of the partial products per device, for the
+        parameters whose gradient is split (others are absent).
+    """
     # A weight read in a lower precision (`mixed_bfloat16`) is contracted as
     # its cast (`AxisGraph.param_casts`).
     weights = {t.id: t for t in graph.tensors if t.kind == "param"}
@@ -230,8 +244,8 @@ def _split_gradient_groups(
     for lhs, rhs in graph.matmul_pairs:
         input_of.setdefault(lhs, rhs)
         input_of.setdefault(rhs, lhs)
-    # (input, tokens, M) -> [(read tensor, weight, N)]: one product per group.
-    groups: dict[tuple, list[tuple[int, int, float]]] = {}
+    # (input, tokens, M) -> {read tensor: (weight, N)}: one product per group.
+    groups: dict[tuple, dict[int, tuple[int, float]]] = {}
     for event in graph.comm_events:
         if event.kind != "contract" or event.phase != "backward":
             continue
@@ -260,40 +274,16 @@ def _split_gradient_groups(
                 m *= local
             else:
                 n *= local
-        groups.setdefault((source, tokens, m), []).append((event.tensor, weight.id, n))
-    split = []
-    for (_, tokens, m), members in groups.items():
-        parts = split_parts(tokens, m, sum(n for _, _, n in members))
-        if parts > 1:
-            split.append([(read, w, 4.0 * parts * m * n) for read, w, n in members])
-    return split
-
-
-def merged_split_gradient_bytes(
-    graph: AxisGraph, assignment: Assignment, sizes: dict[str, int]
-) -> dict[int, float]:
-    """Parameter id -> bytes of the partial products where XLA:GPU splits
-    the contraction that makes its gradient (`split_parts`: small weights
-    against many tokens), live until they are summed: those of the whole
-    merged product, where weights read one input over the same tokens (a
-    query, key and value Dense's, 3 x 256 KiB on a 256-wide block split in
-    4, made at once: `tests/planner/test_kept_partials_gpu.py`).
-
-    Args:
-        graph: The model's axis graph.
-        assignment: The candidate sharding, FSDP cuts left out (the
-            gradient is formed in the compute layout).
-        sizes: Mesh axis name -> size.
-
-    Returns:
-        Float32 bytes of the partial products per device, for the
-        parameters whose gradient is split (others are absent).
-    """
+        groups.setdefault((source, tokens, m), {})[event.tensor] = (weight.id, n)
     merged: dict[int, float] = {}
-    for members in _split_gradient_groups(graph, assignment, sizes):
-        total = sum(size for _, _, size in members)
-        for _, weight, _ in members:
-            merged[weight] = max(merged.get(weight, 0.0), total)
+    for (_, tokens, m), members in groups.items():
+        total_n = sum(n for _, n in members.values())
+        parts = split_parts(tokens, m, total_n)
+        if parts == 1:
+            continue
+        total = 4.0 * parts * m * total_n
+        for weight_id, _ in members.values():
+            merged[weight_id] = max(merged.get(weight_id, 0.0), total)
     return merged
 
 
