@@ -6,6 +6,10 @@ Run on a machine with one NVIDIA GPU (JAX with CUDA, Keras, KerasHub):
 python -m benchmarks.device_step --json benchmarks/device_results/nvidia_h200.json
 python -m benchmarks.device_step --batch 32 \
     --json benchmarks/device_results/nvidia_h200_batch32.json
+python -m benchmarks.device_step --batch 32 --budget 64GiB \
+    --json benchmarks/device_results/nvidia_h200_batch32_budget64gib.json
+python -m benchmarks.device_step --batch 32 --budget 32GiB \
+    --json benchmarks/device_results/nvidia_h200_batch32_budget32gib.json
 ```
 
 then, anywhere, put the figures into `BENCHMARKS.md`:
@@ -79,6 +83,14 @@ PROFILE_BY_KIND = (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"
 RUNS = (
     ("benchmarks/device_results/nvidia_h200.json", ""),
     ("benchmarks/device_results/nvidia_h200_batch32.json", " --batch 32"),
+    (
+        "benchmarks/device_results/nvidia_h200_batch32_budget64gib.json",
+        " --batch 32 --budget 64GiB",
+    ),
+    (
+        "benchmarks/device_results/nvidia_h200_batch32_budget32gib.json",
+        " --batch 32 --budget 32GiB",
+    ),
 )
 RESULTS = tuple(path for path, _ in RUNS)
 MEASURE_COMMANDS = tuple(
@@ -199,6 +211,7 @@ def measure(
     warmup_steps: int = WARMUP_STEPS,
     timed_steps: int = TIMED_STEPS,
     run: bool = True,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     """Plan, compile deviceless, then run on the first device; write JSON.
 
@@ -212,6 +225,8 @@ def measure(
         timed_steps: Timed calls.
         run: Whether to build the model on the device and run its step
             (`False`: plan and compile deviceless only).
+        budget: The plan's per-device memory budget (`memory_budget=`,
+            e.g. `"48GiB"`); `None`: the profile's usable memory.
 
     Returns:
         The figures (as written).
@@ -233,11 +248,12 @@ def measure(
             "batch": batch,
             "sequence": sequence,
         },
+        "budget": budget,
         "steps": {"warmup": warmup_steps, "timed": timed_steps},
     }
     _write(result, path)
     plans: list = []
-    _phase(result, "plan", path, lambda: _plan(builder, x, profile, plans))
+    _phase(result, "plan", path, lambda: _plan(builder, x, profile, plans, budget))
     if device.platform != "cpu":
         # The same request planned where JAX sees only the host's CPU (as
         # on a machine without a GPU): Keras may trace another attention.
@@ -246,7 +262,9 @@ def measure(
             result,
             "plan_on_host_cpu",
             path,
-            lambda: _plan_in_cpu_process(config, batch, sequence, profile, host_plans),
+            lambda: _plan_in_cpu_process(
+                config, batch, sequence, profile, host_plans, budget
+            ),
         )
         plans = plans or host_plans
     if not plans:
@@ -276,9 +294,11 @@ def measure(
     return result
 
 
-def _plan(builder, x, profile: str, plans: list) -> dict[str, Any]:
-    """Plan for a 1x1 mesh under `profile`; the plan is appended to
-    `plans`, its figures returned."""
+def _plan(
+    builder, x, profile: str, plans: list, budget: str | None = None
+) -> dict[str, Any]:
+    """Plan for a 1x1 mesh under `profile` (and `budget`, if given); the
+    plan is appended to `plans`, its figures returned."""
     from keras_autoshard import MeshSpec
     from keras_autoshard.planner.plan_request import PlanRequest
     from keras_autoshard.planner.planner import plan_with_cost
@@ -287,7 +307,7 @@ def _plan(builder, x, profile: str, plans: list) -> dict[str, Any]:
         builder,
         MeshSpec((1, 1), ("batch", "model")),
         x,
-        PlanRequest(hardware=profile),
+        PlanRequest(hardware=profile, memory_budget=budget),
     )
     sharding_plan = result.plan
     plans.append(sharding_plan)
@@ -301,7 +321,12 @@ def _plan(builder, x, profile: str, plans: list) -> dict[str, Any]:
 
 
 def _plan_in_cpu_process(
-    config: dict[str, Any], batch: int, sequence: int, profile: str, plans: list
+    config: dict[str, Any],
+    batch: int,
+    sequence: int,
+    profile: str,
+    plans: list,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     """`_plan` in a child process with `JAX_PLATFORMS=cpu`."""
     import subprocess
@@ -316,7 +341,7 @@ def _plan_in_cpu_process(
             "--plan-child", plan_path, "--hardware", profile,
             "--config", json.dumps(config),
             "--batch", str(batch), "--sequence", str(sequence),
-        ]  # fmt: skip
+        ] + (["--budget", budget] if budget else [])  # fmt: skip
         done = subprocess.run(
             command,
             capture_output=True,
@@ -432,6 +457,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocabulary", type=int, help="a smaller vocabulary")
     parser.add_argument("--hidden", type=int, help="a narrower model (quick check)")
     parser.add_argument(
+        "--budget", help="per-device memory budget for the plan (e.g. 48GiB)"
+    )
+    parser.add_argument(
         "--no-run", action="store_true", help="plan and compile deviceless only"
     )
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -452,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plan_child:
         plans: list = []
         x, _ = _sample(config, args.batch, args.sequence)
-        figures = _plan(_builder(config), x, args.hardware, plans)
+        figures = _plan(_builder(config), x, args.hardware, plans, args.budget)
         plans[0].save(args.plan_child)
         print(json.dumps(figures))
         return
@@ -464,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.batch,
             args.sequence,
             run=not args.no_run,
+            budget=args.budget,
         )
         results = [result]
     elif args.render:

@@ -68,8 +68,10 @@ def _run_lines(result: dict[str, Any]) -> list[str]:
     host_plan = result.get("plan_on_host_cpu", {})
     device = result.get("on_device", {})
     tokens = model["batch"] * model["sequence"]
+    budget = result.get("budget")
+    title = f"### Batch {model['batch']} × {model['sequence']} tokens"
     lines = [
-        f"### Batch {model['batch']} × {model['sequence']} tokens",
+        title + (f", memory budget {budget}" if budget else ""),
         "",
         f"Levers the plan chose: {', '.join(estimate.get('levers') or ['none'])}.",
         "",
@@ -119,6 +121,15 @@ def _run_lines(result: dict[str, Any]) -> list[str]:
         )
     header = ["peak per device", "bytes", "estimate / this"]
     lines += [markdown_table(header, memory_rows, [False, True, True]), ""]
+    measured_peak = device.get("peak_bytes_in_use")
+    if budget and measured_peak:
+        budget_bytes = estimate["budget_bytes"]
+        verdict = "within it" if measured_peak <= budget_bytes else "OVER it"
+        lines.append(
+            f"- Asked for a budget of {budget} per device (`memory_budget=`): "
+            f"the device's measured peak {format_bytes(measured_peak)} is "
+            f"{verdict} ({measured_peak / budget_bytes:.0%} of the budget)."
+        )
     flops = estimate.get("compute_flops")
     if flops and step_s:
         rate = flops / step_s

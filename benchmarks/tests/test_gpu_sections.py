@@ -78,3 +78,8 @@ def test_the_device_step_section_is_what_its_committed_results_render():
     for result in results:
         assert result["gpu"]["kind"] == "NVIDIA H200"
         assert device_step.profile_for(result["gpu"]["kind"]) == result["profile"]
+        if result.get("budget"):
+            # A budgeted plan fits: the device's measured peak is within
+            # the budget the plan was asked for.
+            budget_bytes = result["plan"]["estimate"]["budget_bytes"]
+            assert result["on_device"]["peak_bytes_in_use"] <= budget_bytes
