@@ -20,6 +20,7 @@ from keras_autoshard.planner.cost_model import (
 from keras_autoshard.planner.gradient_reduction import (
     COMBINE_THRESHOLD_BYTES,
 )
+from keras_autoshard.planner.loss_reduction import loss_combined_reductions
 from keras_autoshard.planner.remat import accelerator_stages, layer_calls
 from keras_autoshard.planner.split_k import (
     activation_products,
@@ -211,6 +212,15 @@ def accelerator_peak(
             loss_gradient[stage] += (
                 part * local_bytes(tensor, assignment, sizes) * 4.0 / tensor.itemsize
             )
+    # The reduction XLA combines with the loss's, held from the head's
+    # backward pass to the step's end (`loss_reduction`).
+    held_to_end = [0.0] * len(stages)
+    for out, size, per_batch in loss_combined_reductions(
+        graph, assignment, sizes, loss_made
+    ):
+        head = position.get(graph.tensor_layers[out], last)
+        for i in range(head + 1):
+            held_to_end[i] += size * (part if per_batch else 1.0)
     batch_axes = {assignment.class_axis.get(c) for c in batch_classes} - {None}
     split = merged_split_gradient_bytes(graph, whole, sizes)
     partials = [0.0] * len(stages)  # split-K partial products made there
@@ -251,7 +261,7 @@ def accelerator_peak(
         alive += held(stage.kept_to_here)
         kept = alive + held(stage.own) + gathered[i] * part
         formed_here = max(largest[i] + partials[i], formed[i]) + loss_gradient[i]
-        workspace = max(formed_here, combined[i])
+        workspace = max(formed_here, combined[i]) + held_to_end[i]
         best = max(
             best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
         )
