@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from keras_autoshard.plans.estimate import (
+    HEADROOM,
+    HEADROOM_BYTES,
     XLA_GPU_MEMORY_SHARE,
     XLA_GPU_SLOP_FACTOR,
     PlanEstimate,
@@ -199,6 +201,19 @@ def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     """Changes that would fit the budget, in words, from the least-peak
     estimate on `mesh` (`NoFit.suggestions`)."""
     budget = estimate.usable_bytes or 0
+    if budget < estimate.peak_bytes and budget <= HEADROOM_BYTES[estimate.compiler]:
+        # The headroom takes (nearly) the whole budget: more devices cannot
+        # bring a plan under what is left; a larger budget can.
+        share = 1 - HEADROOM[estimate.compiler]
+        needed = (estimate.peak_bytes + HEADROOM_BYTES[estimate.compiler]) / share
+        return [
+            f"a budget of at least {format_bytes(math.ceil(needed))} per device "
+            f"(plans may fill {format_bytes(budget)} of "
+            f"{format_bytes(estimate.budget_bytes or 0)}: "
+            f"{HEADROOM[estimate.compiler]:.0%} and "
+            f"{format_bytes(HEADROOM_BYTES[estimate.compiler])} are kept for "
+            "the estimate's error)"
+        ]
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     per_batch = estimate.activation_bytes + estimate.data_bytes

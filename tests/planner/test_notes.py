@@ -31,3 +31,35 @@ def test_a_single_device_needs_no_note():
         np.zeros((BATCH, TOKENS), "int32"),
     )
     assert uneven_state_note(sharding_plan) is None
+
+
+def _estimate(budget: int, compiler: str):
+    from keras_autoshard.plans.estimate import PlanEstimate
+
+    # 3 MiB of state and 2 MiB a batch: 5 MiB at the peak.
+    return PlanEstimate(
+        parameter_bytes=2**20,
+        gradient_bytes=2**20,
+        optimizer_bytes=2**20,
+        activation_bytes=2**20,
+        data_bytes=2**20,
+        transient_bytes=0,
+        budget_bytes=budget,
+        compiler=compiler,
+    )
+
+
+def test_a_budget_the_headroom_takes_asks_for_a_larger_budget():
+    """4.5 MiB for XLA:GPU leaves plans nothing (14 % and 8 MiB kept for
+    the estimate's error): no number of devices helps, and the state is
+    not over the budget itself; a budget of (5 + 8) / 0.86 MiB would do."""
+    from keras_autoshard.planner.notes import fit_suggestions
+
+    mesh = MeshSpec((2, 4), ("batch", "model"))
+    (suggestion,) = fit_suggestions(mesh, _estimate(int(4.5 * 2**20), "XLA:GPU"))
+    assert suggestion.startswith("a budget of at least 15.12 MiB per device")
+    assert "plans may fill 0 B of 4.50 MiB" in suggestion
+    # On XLA:CPU nothing is kept beside the 14 %: more devices, or a
+    # smaller batch, as before.
+    suggestions = fit_suggestions(mesh, _estimate(int(4.5 * 2**20), "XLA:CPU"))
+    assert "devices instead of 8" in suggestions[0], suggestions
