@@ -33,7 +33,7 @@ HEADROOM = {"XLA:CPU": 0.14, "XLA:GPU": 0.14, "XLA:TPU": 0.14}
 # `mixed_bfloat16`: 13.73 against 15.21 MiB; 2.10 MiB before its ReLU's 8
 # kept partials were counted, gemma on 1x8 2.45 MiB before the split
 # products' partials were, `planner/split_k.py`; BENCHMARKS.md "memory
-# truth on XLA:GPU", estimate / compiled 0.76 to 1.11), a deficit of about
+# truth on XLA:GPU", estimate / compiled 0.89 to 1.11), a deficit of about
 # fixed size (buffers XLA:GPU holds at any model size) that no share of a
 # small budget covers; 4 MiB would do, kept at 8 MiB (it was set when the
 # deficit reached 7.69 MiB); nothing at real sizes.
