@@ -20,7 +20,10 @@ from keras_autoshard.planner.cost_model import (
 from keras_autoshard.planner.gradient_reduction import (
     COMBINE_THRESHOLD_BYTES,
 )
-from keras_autoshard.planner.loss_reduction import loss_combined_reductions
+from keras_autoshard.planner.loss_reduction import (
+    loss_combined_reductions,
+    loss_made_tensors,
+)
 from keras_autoshard.planner.remat import accelerator_stages, layer_calls
 from keras_autoshard.planner.split_k import (
     activation_products,
@@ -133,12 +136,7 @@ def accelerator_peak(
         )
 
     batch_classes = batch_carrying_classes(graph)
-    # The outputs, and a product whose image is an output (a bias added):
-    # their gradient is the loss's (`loss_gradient` below).
-    loss_made = set(graph.outputs)
-    loss_made.update(
-        out for out, images, _ in graph.fused_products if loss_made.intersection(images)
-    )
+    loss_made = loss_made_tensors(graph)
     largest = [0.0] * len(stages)
     formed = [0.0] * len(stages)  # gradients made in partials for a layer below
     for tensor in graph.tensors:

@@ -28,6 +28,21 @@ from keras_autoshard.graph.axis_graph import AxisGraph
 from keras_autoshard.planner.cost_model import Assignment, local_bytes, tensor_axes
 
 
+def loss_made_tensors(graph: AxisGraph) -> set[int]:
+    """The outputs, and the products whose image is an output (a bias
+    added): tensors whose gradient the loss writes.
+
+    Args:
+        graph: The model's axis graph.
+
+    Returns:
+        Their tensor ids.
+    """
+    made = set(graph.outputs)
+    made.update(o for o, images, _ in graph.fused_products if made.intersection(images))
+    return made
+
+
 def loss_combined_reductions(
     graph: AxisGraph,
     assignment: Assignment,
@@ -44,7 +59,8 @@ def loss_combined_reductions(
             combine with the loss's all-reduce (a tied table stored cut on
             8x1: `f32[129]`, the loss's reduction alone).
         sizes: Mesh axis name -> size.
-        loss_made: The outputs, and products whose image is an output.
+        loss_made: The outputs, and products whose image is an output
+            (`loss_made_tensors`).
 
     Returns:
         `(head output id, bytes per device, scales with the batch)` of each:
