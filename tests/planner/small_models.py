@@ -1,6 +1,6 @@
 """Small models and their axis graphs for the planner's unit tests: an
 embedding and two residual MLP blocks (`blocks_model`), traced over shapes
-only."""
+only, and an embedding table read twice (`TableTwice`)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,25 @@ class Block(keras.layers.Layer):
 
     def call(self, x):
         return x + self.down(keras.ops.relu(self.up(x)))
+
+
+class TableTwice(keras.Model):
+    """Token ids -> rows of an embedding table -> a ReLU Dense -> scores
+    against every row of the same table (the table read again as the
+    output projection)."""
+
+    def __init__(self, vocabulary: int, width: int, **kwargs):
+        super().__init__(**kwargs)
+        self.table = keras.layers.Embedding(vocabulary, width, name="table")
+        self.hidden = keras.layers.Dense(width, activation="relu", name="hidden")
+
+    def build(self, input_shape):
+        self.table.build(input_shape)
+        self.hidden.build((*input_shape, self.table.output_dim))
+
+    def call(self, token_ids):
+        rows = self.hidden(self.table(token_ids))
+        return keras.ops.matmul(rows, keras.ops.transpose(self.table.embeddings))
 
 
 def blocks_model() -> keras.Model:

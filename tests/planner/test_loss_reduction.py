@@ -3,7 +3,6 @@ here: which reduction XLA:GPU packs with the loss's, and its bytes."""
 
 import jax
 import keras
-from keras import ops
 
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import Assignment
@@ -12,6 +11,7 @@ from keras_autoshard.planner.loss_reduction import (
     loss_made_tensors,
 )
 from keras_autoshard.trace.tracer import trace_model
+from tests.planner.small_models import TableTwice
 
 BATCH, TOKENS, WIDTH, CLASSES, VOCABULARY = 8, 16, 32, 16, 64
 SIZES = {"model": 8}
@@ -53,23 +53,8 @@ def test_a_head_cut_nowhere_or_by_its_rows_combines_nothing():
     assert loss_combined_reductions(graph, rows, SIZES, loss_made_tensors(graph)) == []
 
 
-class TableTwice(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.table = keras.layers.Embedding(VOCABULARY, WIDTH, name="table")
-        self.hidden = keras.layers.Dense(WIDTH, activation="relu", name="hidden")
-
-    def build(self, input_shape):
-        self.table.build(input_shape)
-        self.hidden.build((*input_shape, WIDTH))
-
-    def call(self, token_ids):
-        rows = self.hidden(self.table(token_ids))
-        return ops.matmul(rows, ops.transpose(self.table.embeddings))
-
-
 def table_twice_graph():
-    model = TableTwice()
+    model = TableTwice(VOCABULARY, WIDTH)
     model.build((BATCH, TOKENS))
     return traced(model, jax.ShapeDtypeStruct((BATCH, TOKENS), "int32"))
 

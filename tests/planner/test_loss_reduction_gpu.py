@@ -11,32 +11,14 @@ import jax
 import keras
 import numpy as np
 import pytest
-from keras import ops
 
 import keras_autoshard as ka
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from tests.planner.small_models import TableTwice
 
 BATCH, TOKENS, WIDTH, CLASSES, VOCABULARY = 8, 64, 128, 16, 1024
 MESH = ka.MeshSpec((1, 8), ("batch", "model"))
-
-
-class TableTwice(keras.Model):
-    """Token ids -> an embedding table's rows -> a ReLU Dense -> scores
-    against every row of the same table."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.table = keras.layers.Embedding(VOCABULARY, WIDTH, name="table")
-        self.hidden = keras.layers.Dense(WIDTH, activation="relu", name="hidden")
-
-    def build(self, input_shape):
-        self.table.build(input_shape)
-        self.hidden.build((*input_shape, WIDTH))
-
-    def call(self, token_ids):
-        rows = self.hidden(self.table(token_ids))
-        return ops.matmul(rows, ops.transpose(self.table.embeddings))
 
 
 def dense_head():
@@ -52,7 +34,7 @@ def dense_head():
 
 
 def table_twice():
-    model = TableTwice()
+    model = TableTwice(VOCABULARY, WIDTH)
     model.build((None, TOKENS))
     return model
 
