@@ -107,6 +107,7 @@ def layout_key(sharding_plan) -> str:
 def _compiled(build, sharding_plan, x, target=TARGET) -> dict[str, Any]:
     """Compile one plan's train step for the target's GPUs: its figures."""
     from keras_autoshard import compile_for_target
+    from keras_autoshard.report.estimate_check import compiled_io_bytes
     from keras_autoshard.testing import zoo
 
     y = zoo.random_targets(build, x)
@@ -114,9 +115,7 @@ def _compiled(build, sharding_plan, x, target=TARGET) -> dict[str, Any]:
     memory = result.step.memory
     return {
         "compiled_peak": result.compiled_peak_bytes,
-        "io_bytes": memory["argument_bytes"]
-        + memory["output_bytes"]
-        - memory["alias_bytes"],
+        "io_bytes": compiled_io_bytes(memory),
         "collectives_by_axes": collective_bytes_by_axes(result.step),
         "collectives_by_kind": collective_bytes_by_kind(result.step),
         "compile_s": result.compile_s,

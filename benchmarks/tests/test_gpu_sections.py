@@ -75,6 +75,7 @@ def test_the_device_step_section_is_what_its_committed_results_render():
     with open(os.path.join(root, "BENCHMARKS.md")) as file:
         published = read_section(file.read(), device_step.SECTION_NAME)
     assert published.strip() == device_step_report.render(results).strip()
+    assert any(result.get("budget") for result in results)
     for result in results:
         assert result["gpu"]["kind"] == "NVIDIA H200"
         assert device_step.profile_for(result["gpu"]["kind"]) == result["profile"]

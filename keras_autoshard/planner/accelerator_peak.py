@@ -213,9 +213,7 @@ def accelerator_peak(
     # The reduction XLA combines with the loss's, held from the head's
     # backward pass to the step's end (`loss_reduction`).
     held_to_end = [0.0] * len(stages)
-    for out, size, per_batch in loss_combined_reductions(
-        graph, assignment, sizes, loss_made
-    ):
+    for out, size, per_batch in loss_combined_reductions(graph, assignment, sizes):
         head = position.get(graph.tensor_layers[out], last)
         for i in range(head + 1):
             held_to_end[i] += size * (part if per_batch else 1.0)

@@ -47,7 +47,6 @@ def loss_combined_reductions(
     graph: AxisGraph,
     assignment: Assignment,
     sizes: dict[str, int],
-    loss_made: set[int],
 ) -> list[tuple[int, float, bool]]:
     """The reductions the head's backward pass makes over exactly the axes
     that cut the outputs (those XLA combines with the loss's own).
@@ -59,16 +58,14 @@ def loss_combined_reductions(
             combine with the loss's all-reduce (a tied table stored cut on
             8x1: `f32[129]`, the loss's reduction alone).
         sizes: Mesh axis name -> size.
-        loss_made: The outputs, and products whose image is an output
-            (`loss_made_tensors`).
 
     Returns:
         `(head output id, bytes per device, scales with the batch)` of each:
-        a product making an output whose weight's cut output dims leave its
-        input's gradient partial over those axes (the input's gradient, an
-        activation), or whose weight another layer reads too and whose
-        batch dims those axes cut (the weight's gradient, summed with the
-        other read's in the backward pass).
+        a product making an output (`loss_made_tensors`) whose weight's cut
+        output dims leave its input's gradient partial over those axes (the
+        input's gradient, an activation), or whose weight another layer
+        reads too and whose batch dims those axes cut (the weight's
+        gradient, summed with the other read's in the backward pass).
     """
     loss_axes = {
         axis
@@ -78,24 +75,23 @@ def loss_combined_reductions(
     }
     if not loss_axes:
         return []
+    loss_made = loss_made_tensors(graph)
     readers = dict(graph.param_readers)
     found = []
     for out, lhs, rhs, free in graph.products:
         if out not in loss_made:
             continue
-        out_axes = tuple(
-            a if a in loss_axes else None
-            for a in tensor_axes(graph.tensors[out], assignment)
-        )
+        out_axes = tensor_axes(graph.tensors[out], assignment)
         lhs_tensor, rhs_tensor = graph.tensors[lhs], graph.tensors[rhs]
-        lhs_axes = set(tensor_axes(lhs_tensor, assignment))
-        rhs_axes = set(tensor_axes(rhs_tensor, assignment))
-        # The input's gradient contracts the output's dims the weight gives.
-        partial_input = set(out_axes[free:]) - lhs_axes - {None}
-        if lhs_tensor.requires_grad and partial_input == loss_axes:
+        # The input's gradient contracts the output's dims the weight gives:
+        # partial over the loss's axes that cut those and not the input.
+        partial = loss_axes.intersection(out_axes[free:])
+        partial -= set(tensor_axes(lhs_tensor, assignment))
+        if lhs_tensor.requires_grad and partial == loss_axes:
             found.append((out, local_bytes(lhs_tensor, assignment, sizes), True))
         # The weight's gradient contracts the output's dims the input gives.
-        read_twice = len(readers.get(rhs, ())) > 1
-        if read_twice and set(out_axes[:free]) - rhs_axes - {None} == loss_axes:
+        partial = loss_axes.intersection(out_axes[:free])
+        partial -= set(tensor_axes(rhs_tensor, assignment))
+        if len(readers.get(rhs, ())) > 1 and partial == loss_axes:
             found.append((out, local_bytes(rhs_tensor, assignment, sizes), False))
     return found

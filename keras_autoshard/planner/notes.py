@@ -201,7 +201,7 @@ def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     """Changes that would fit the budget, in words, from the least-peak
     estimate on `mesh` (`NoFit.suggestions`)."""
     budget = estimate.usable_bytes or 0
-    if budget < estimate.peak_bytes and budget <= HEADROOM_BYTES[estimate.compiler]:
+    if budget <= HEADROOM_BYTES[estimate.compiler]:
         # The headroom takes (nearly) the whole budget: more devices cannot
         # bring a plan under what is left; a larger budget can.
         share = 1 - HEADROOM[estimate.compiler]

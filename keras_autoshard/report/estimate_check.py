@@ -24,6 +24,23 @@ PEAK = "peak per device (train step)"
 FORWARD_PEAK = "peak per device (forward step)"
 
 
+def compiled_io_bytes(memory: Mapping[str, int]) -> int:
+    """A compiled step's arguments and outputs, from XLA's memory analysis:
+    arguments + outputs − aliased (donated state written in place).
+
+    Args:
+        memory: A `CompiledStep.memory` mapping.
+
+    Returns:
+        Bytes per device.
+    """
+    return (
+        memory.get("argument_bytes", 0)
+        + memory.get("output_bytes", 0)
+        - memory.get("alias_bytes", 0)
+    )
+
+
 def compiled_peak_bytes(memory: Mapping[str, int]) -> int:
     """What a compiled step needs at its peak, from XLA's memory analysis:
     arguments + outputs + temporaries − aliased (donated state written in
@@ -35,12 +52,7 @@ def compiled_peak_bytes(memory: Mapping[str, int]) -> int:
     Returns:
         Bytes per device.
     """
-    return (
-        memory.get("argument_bytes", 0)
-        + memory.get("output_bytes", 0)
-        + memory.get("temp_bytes", 0)
-        - memory.get("alias_bytes", 0)
-    )
+    return compiled_io_bytes(memory) + memory.get("temp_bytes", 0)
 
 
 @dataclasses.dataclass(frozen=True)

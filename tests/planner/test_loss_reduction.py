@@ -6,10 +6,7 @@ import keras
 
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import Assignment
-from keras_autoshard.planner.loss_reduction import (
-    loss_combined_reductions,
-    loss_made_tensors,
-)
+from keras_autoshard.planner.loss_reduction import loss_combined_reductions
 from keras_autoshard.trace.tracer import trace_model
 from tests.planner.small_models import TableTwice
 
@@ -34,7 +31,7 @@ def test_a_head_whose_outputs_are_cut_reduces_its_input_gradient():
     graph = dense_head_graph()
     classes = graph.param("head/kernel").dim_classes[1]
     cut = Assignment(class_axis={classes: "model"})
-    (found,) = loss_combined_reductions(graph, cut, SIZES, loss_made_tensors(graph))
+    (found,) = loss_combined_reductions(graph, cut, SIZES)
     _, size, per_batch = found
     # The head's input, float32 and whole on every device.
     assert (size, per_batch) == (4 * BATCH * TOKENS * WIDTH, True)
@@ -42,15 +39,12 @@ def test_a_head_whose_outputs_are_cut_reduces_its_input_gradient():
 
 def test_a_head_cut_nowhere_or_by_its_rows_combines_nothing():
     graph = dense_head_graph()
-    assert (
-        loss_combined_reductions(graph, Assignment({}), SIZES, loss_made_tensors(graph))
-        == []
-    )
+    assert loss_combined_reductions(graph, Assignment({}), SIZES) == []
     # Its rows cut with its input's width (Megatron's row-parallel layer):
     # the outputs are whole, the loss reduces over nothing.
     width = graph.param("head/kernel").dim_classes[0]
     rows = Assignment(class_axis={width: "model"})
-    assert loss_combined_reductions(graph, rows, SIZES, loss_made_tensors(graph)) == []
+    assert loss_combined_reductions(graph, rows, SIZES) == []
 
 
 def table_twice_graph():
@@ -67,9 +61,7 @@ def _batch_class(graph) -> int:
 def test_a_table_read_twice_reduces_its_projection_gradient():
     graph = table_twice_graph()
     over_model = Assignment(class_axis={_batch_class(graph): "model"})
-    (found,) = loss_combined_reductions(
-        graph, over_model, SIZES, loss_made_tensors(graph)
-    )
+    (found,) = loss_combined_reductions(graph, over_model, SIZES)
     _, size, per_batch = found
     # The whole table's gradient, whatever the batch.
     assert (size, per_batch) == (4 * VOCABULARY * WIDTH, False)
@@ -86,7 +78,4 @@ def test_a_table_stored_cut_is_reduce_scattered_apart_from_the_loss():
     stored_cut = Assignment(
         class_axis={_batch_class(graph): "model"}, fsdp={table: ((0, "model"),)}
     )
-    assert (
-        loss_combined_reductions(graph, stored_cut, SIZES, loss_made_tensors(graph))
-        == []
-    )
+    assert loss_combined_reductions(graph, stored_cut, SIZES) == []

@@ -14,7 +14,10 @@ import pytest
 
 import keras_autoshard as ka
 from keras_autoshard.apply.jax.target_compile import compile_for_target
-from keras_autoshard.report.estimate_check import compiled_peak_bytes
+from keras_autoshard.report.estimate_check import (
+    compiled_io_bytes,
+    compiled_peak_bytes,
+)
 from tests.planner.small_models import TableTwice
 
 BATCH, TOKENS, WIDTH, CLASSES, VOCABULARY = 8, 64, 128, 16, 1024
@@ -141,9 +144,7 @@ def test_the_dense_head_where_memory_binds():
     plan, step = compiled("dense head")
     compiled_peak = compiled_peak_bytes(step.memory)
     assert 0.85 <= plan.estimate.peak_bytes / compiled_peak <= 1.1
-    memory = step.memory
-    io_bytes = memory["argument_bytes"] + memory["output_bytes"]
-    io_bytes -= memory["alias_bytes"]
+    io_bytes = compiled_io_bytes(step.memory)
     features = CASES["dense head"][1]
     limited = compiled_peak_under_limit(
         dense_head, plan, features, plan.estimate.peak_bytes, io_bytes
