@@ -191,6 +191,7 @@ def zoo_row(index: int, models: Sequence[str] | None = None) -> dict[str, Any]:
         "levers": short_levers(sharding_plan),
         "compiler": sharding_plan.estimate.compiler,
         "estimated_peak": sharding_plan.estimate.peak_bytes,
+        "budget_bytes": sharding_plan.estimate.budget_bytes,
         "layout": layout_key(sharding_plan),
     }
 
@@ -367,6 +368,20 @@ def zoo_section(rows: Sequence[dict]) -> str:
         f"{_row_name(r)} {r['estimated_peak'] / r['compiled_peak_at_estimate']:.2f}"
         for r in limited
     )
+    budgeted = [r for r in compiled if r["budget_share"] is not None]
+    budget_text = "; ".join(
+        f"{_row_name(r)} {format_bytes(r['compiled_peak'])} of "
+        f"{format_bytes(r['budget_bytes'])} "
+        f"({r['compiled_peak'] / r['budget_bytes']:.2f})"
+        for r in budgeted
+    )
+    if budgeted:
+        over = [r for r in budgeted if r["compiled_peak"] > r["budget_bytes"]]
+        budget_text = (
+            f" Planned under a budget, compiled against it: {budget_text}; "
+            f"{len(budgeted) - len(over)} of {len(budgeted)} compile within "
+            "their budget."
+        )
     if limited:
         limited_text = (
             " Compiled again with XLA:GPU's memory limit at the estimate (as for "
@@ -379,7 +394,7 @@ def zoo_section(rows: Sequence[dict]) -> str:
         f"{_span(compiled)}; the estimate is under the compiled peak on {under} "
         f"of {len(compiled)} rows. By kind of row: {groups_text}. Outside "
         f"±{AGREE:.0%} (ratios before rounding), farthest first: "
-        f"{outside_text or 'none'}.{limited_text} The estimates "
+        f"{outside_text or 'none'}.{limited_text}{budget_text} The estimates "
         f"are {' and '.join(compilers)}'s (the plans' `estimate.compiler`). "
         f"Rows the planner found no plan for: "
         f"{len(rows) - len(compiled)}.{unplanned}\n\n"

@@ -62,6 +62,28 @@ def test_gpu_memory_truth_names_rows_outside_the_bound_and_planner_above_megatro
     assert "took 2 minutes" in text and "python -m x" in text
 
 
+def test_gpu_memory_truth_compares_budgeted_plans_compiled_peaks_with_their_budgets():
+    from benchmarks.memory_truth_gpu import render
+
+    budgeted = {"budget_share": 0.7, "levers": "remat 2 layers"}
+    zoo_rows = [
+        # A free plan's budget is the profile's usable memory: not named.
+        _gpu_row("gpt2", "2x4", "float32", 1000, 1050, {"batch": 100},
+                 budget_bytes=5000),
+        _gpu_row("llama", "2x4", "float32, budget 70%", 900, 970, {"batch": 100},
+                 budget_bytes=1000, **budgeted),
+        _gpu_row("opt", "2x4", "float32, budget 70%", 900, 1010, {"batch": 100},
+                 budget_bytes=1000, **budgeted),
+    ]  # fmt: skip
+    text = render(zoo_rows, [], "python -m x", "this machine", 120)
+    assert (
+        "Planned under a budget, compiled against it: llama 2x4 float32, "
+        "budget 70% 970 B of 1000 B (0.97); opt 2x4 float32, budget 70% "
+        "1010 B of 1000 B (1.01); 1 of 2 compile within their budget." in text
+    )
+    assert "gpt2 2x4 float32 1.03 KiB of" not in text
+
+
 def test_the_device_step_section_is_what_its_committed_results_render():
     # The GPU figures regenerate here, without a GPU, from the JSON the
     # device run wrote (committed beside the script).

@@ -31,8 +31,10 @@ planned on), the activations are kept as XLA:GPU fuses them
 one per layer in reverse call order (`accelerator_peak.py`): each holds what
 the layers not yet differentiated keep, the current layer's own residuals,
 the gradients finished so far (held to the updates, after the backward
-pass) and one buffer of its largest batch activation; gradient
-accumulation adds no update phase.
+pass) and one buffer of its largest batch activation; under gradient
+accumulation the update, after the backward pass, writes every trainable
+variable and its slots anew beside the old, the gradients and their
+all-reduce's operand.
 
 For inference (`predict`), the parameters, the data, the predictions (the
 outputs it returns) and twice the largest activation of the batch (a
@@ -212,8 +214,12 @@ def estimate_memory(
     )
     accumulators = trainable if micro_batches > 1 else 0.0
     if platform != "cpu":
+        # Accumulating, Keras applies the optimizer in a conditional that
+        # XLA:GPU makes a select: every trainable variable and its slots
+        # written anew beside the old (`accelerator_peak`).
+        updated = trainable * (1 + optimizer_slots) if micro_batches > 1 else 0.0
         kept, gradients, transient = accelerator_peak(
-            graph, assignment, sizes, remat, micro_batches
+            graph, assignment, sizes, remat, micro_batches, updated
         )
         return PlanEstimate(
             parameter_bytes=int(parameters),

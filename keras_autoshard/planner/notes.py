@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from keras_autoshard.plans.estimate import (
-    HEADROOM,
-    HEADROOM_BYTES,
     XLA_GPU_MEMORY_SHARE,
     XLA_GPU_SLOP_FACTOR,
     PlanEstimate,
@@ -201,19 +199,6 @@ def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     """Changes that would fit the budget, in words, from the least-peak
     estimate on `mesh` (`NoFit.suggestions`)."""
     budget = estimate.usable_bytes or 0
-    if budget <= HEADROOM_BYTES[estimate.compiler]:
-        # The headroom takes (nearly) the whole budget: more devices cannot
-        # bring a plan under what is left; a larger budget can.
-        share = 1 - HEADROOM[estimate.compiler]
-        needed = (estimate.peak_bytes + HEADROOM_BYTES[estimate.compiler]) / share
-        return [
-            f"a budget of at least {format_bytes(math.ceil(needed))} per device "
-            f"(plans may fill {format_bytes(budget)} of "
-            f"{format_bytes(estimate.budget_bytes or 0)}: "
-            f"{HEADROOM[estimate.compiler]:.0%} and "
-            f"{format_bytes(HEADROOM_BYTES[estimate.compiler])} are kept for "
-            "the estimate's error)"
-        ]
     state = estimate.parameter_bytes + estimate.gradient_bytes
     state += estimate.optimizer_bytes
     per_batch = estimate.activation_bytes + estimate.data_bytes
@@ -227,11 +212,14 @@ def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
     )
     if state < budget and per_batch > 0:
         steps = max(2, math.ceil(per_batch / (budget - state)))
-        # Accumulating, the update writes every variable, its slots and its
-        # accumulator anew beside the old (`memory_model`): at most twice
-        # the parameters and their slots, and two accumulators.
+        # Accumulating, the update writes every variable and its slots
+        # anew beside the old (`memory_model`): twice the parameters and
+        # their slots, and the accumulators; on XLA:CPU the accumulators
+        # twice, on an accelerator the gradients and their reduction's
+        # operand beside one (`accelerator_peak`).
         variables = estimate.parameter_bytes + estimate.optimizer_bytes
-        update = 2 * variables + 2 * estimate.parameter_bytes
+        besides = 2 if estimate.compiler == "XLA:CPU" else 3
+        update = 2 * variables + besides * estimate.parameter_bytes
         if estimate.job == "train" and update <= budget:
             suggestions.append(
                 f"a batch {steps}x smaller per step, or gradient accumulation "

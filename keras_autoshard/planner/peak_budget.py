@@ -25,9 +25,9 @@ largest on every device too).
 
 The estimate takes the fullest of the step's phases (backward pass, loss,
 a pooling's workspace); this row adds their parts, an envelope of them.
-Under gradient accumulation on XLA:CPU a second row bounds the update (a
-new copy of every trainable variable, its slots and accumulator beside the
-old, with the data; the backward pass's activations are freed by then). On
+Under gradient accumulation a second row bounds the update (a new copy of
+every trainable variable, its slots and, on XLA:CPU, its accumulator beside
+the old, with the data; the backward pass's activations are freed by then). On
 an accelerator, rows for the lowest stages of the backward pass bound the
 gradients it holds to the end (`_lowest_stage_rows`).
 
@@ -99,13 +99,10 @@ def add_peak_budget(
     accelerator = options.platform != "cpu"
     row: dict[int, float] = {}
     constant = 0.0
-    # Under gradient accumulation on XLA:CPU, the update's row
-    # (`memory_model`: every trainable variable, its slots and accumulator
-    # written anew beside the old; no gradient, loss or backward
-    # workspace). An accelerator updates in place, one variable at a time.
-    update: dict[int, float] | None = (
-        {} if micro_batches > 1 and not accelerator else None
-    )
+    # Under gradient accumulation, the update's row (`memory_model`: every
+    # trainable variable, its slots and on XLA:CPU its accumulator written
+    # anew beside the old; no gradient, loss or backward workspace).
+    update: dict[int, float] | None = {} if micro_batches > 1 else None
     update_constant = 0.0
 
     def add(tensor, fsdp: bool, scale: float, update_scale: float | None = None):
@@ -127,6 +124,11 @@ def add_peak_budget(
     part = 1.0 / micro_batches
     slots = options.optimizer_slots
     copies = 2.0 + slots + (1.0 if micro_batches > 1 else 0.0)
+    # The update: the variable, its slots and accumulator, and their new
+    # copies; an accelerator's leave the accumulator out and hold the
+    # gradient and its combined reduction's operand beside them
+    # (`accelerator_peak`).
+    updated = 2 * (2 + slots) if not accelerator else (2 + slots) + (1 + slots) + 2
     unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind == "state":
@@ -138,8 +140,7 @@ def add_peak_budget(
             # lowest stages, which hold them all, have rows of their own
             # (`_lowest_stage_rows`).
             gradient = 1.0 if tensor.id in unread or accelerator else 0.0
-            # The update: the variable, its slots and accumulator, twice.
-            add(tensor, True, copies - gradient if train else 1.0, 2 * (2 + slots))
+            add(tensor, True, copies - gradient if train else 1.0, updated)
         elif tensor.kind == "input":
             add(tensor, False, part)
     if options.job == "inference":  # the predictions predict returns

@@ -59,3 +59,24 @@ def test_a_budget_below_the_parts_no_sharding_cuts_is_infeasible():
     program = built(memory_budget_bytes=100)
     with pytest.raises(InfeasibleError, match="cannot be cut"):
         add_peak_budget(program, frozenset())
+
+
+def test_an_accelerators_accumulating_update_cuts_the_weights_storage():
+    # On a GPU, 4000 bytes hold the weight's state cut 4 ways by the model
+    # axis (512 bytes: parameter, gradient, two slots, the activations).
+    # Accumulating, the update after the backward pass also holds the
+    # accumulator, the gradient and its reduction's operand, and writes the
+    # parameter and its slots anew: 9 copies, 4608 bytes cut 4 ways; cut 8
+    # ways over the data axis too, they fit.
+    def solved(micro_batches):
+        return solve_program(
+            dense_graph(),
+            axes(),
+            options(memory_budget_bytes=4000, platform="gpu"),
+            Pins(),
+            "forced",
+            micro_batches=micro_batches,
+        )
+
+    assert solved(1).fsdp == {}
+    assert solved(2).fsdp == {"w": ((0, "batch"),)}

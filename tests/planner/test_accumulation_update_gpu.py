@@ -1,0 +1,69 @@
+"""Gradient accumulation's update on XLA:GPU (`memory_model`, the
+accelerator's update phase): Keras applies the optimizer in a conditional
+(apply or accumulate), which XLA:GPU makes a select, so every trainable
+variable and its slots are written anew beside the old, after the backward
+pass; with small activations that is the step's peak. Checked on a model
+written here, compiled deviceless for 8 H100s on 2x4."""
+
+import functools
+
+import jax
+import keras
+import numpy as np
+
+import keras_autoshard as ka
+from keras_autoshard.apply.jax.target_compile import compile_for_target
+from keras_autoshard.report.estimate_check import compiled_peak_bytes
+
+BATCH, TOKENS, WIDTH, LAYERS, STEPS = 8, 16, 512, 3, 4
+MESH = ka.MeshSpec((2, 4), ("batch", "model"))
+FEATURES = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
+TARGETS = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
+
+
+def wide_mlps():
+    """MLP blocks whose weights outweigh a micro-batch's activations."""
+    inputs = keras.Input((TOKENS, WIDTH))
+    hidden = inputs
+    for i in range(LAYERS):
+        up = keras.layers.Dense(4 * WIDTH, activation="gelu", name=f"up_{i}")(hidden)
+        hidden = hidden + keras.layers.Dense(WIDTH, name=f"down_{i}")(up)
+    return keras.Model(inputs, hidden)
+
+
+@functools.cache
+def compiled():
+    """(plan, compiled peak) of the model accumulating `STEPS` micro-batches."""
+    plan = ka.plan(
+        wide_mlps,
+        MESH,
+        FEATURES,
+        hardware="h100-80gb",
+        gradient_accumulation_steps=STEPS,
+    )
+    step = compile_for_target(wide_mlps, plan, (FEATURES, TARGETS), "h100-80gb")
+    return plan, compiled_peak_bytes(step.step.memory)
+
+
+def test_the_update_writes_the_variables_and_their_slots_anew_at_the_peak():
+    plan, _ = compiled()
+    estimate = plan.estimate
+    assert plan.gradient_accumulation_steps == STEPS
+    # The fullest phase is the update, after the backward pass: no
+    # activation is held; every gradient is, with the operand of their
+    # combined all-reduce over `batch` (the weights are cut over `model`
+    # alone), and the variables and Adam's two slots written anew.
+    assert estimate.activation_bytes == 0
+    assert estimate.gradient_bytes == estimate.parameter_bytes
+    assert estimate.transient_bytes == 4 * estimate.parameter_bytes
+    # The optimizer's state: two slots and an accumulator per variable.
+    assert estimate.optimizer_bytes == 3 * estimate.parameter_bytes
+
+
+def test_an_accumulating_plan_is_estimated_within_10_percent_on_xla_gpu():
+    """Measured: 1.00 of the compiled peak (56.81 MB); 0.78 with the
+    update's new copies alone, without the gradients and their reduction;
+    0.67 without the update (the backward pass's fullest stage)."""
+    plan, peak = compiled()
+    ratio = plan.estimate.peak_bytes / peak
+    assert abs(ratio - 1) <= 0.10, (ratio, peak, plan.estimate.to_dict())
