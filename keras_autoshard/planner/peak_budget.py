@@ -101,7 +101,8 @@ def add_peak_budget(
     constant = 0.0
     # Under gradient accumulation, the update's row (`memory_model`: every
     # trainable variable, its slots and on XLA:CPU its accumulator written
-    # anew beside the old; no gradient, loss or backward workspace).
+    # anew beside the old; no loss or backward workspace, and on XLA:CPU no
+    # gradient).
     update: dict[int, float] | None = {} if micro_batches > 1 else None
     update_constant = 0.0
 
