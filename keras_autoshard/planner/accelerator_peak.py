@@ -19,6 +19,7 @@ from keras_autoshard.planner.cost_model import (
 )
 from keras_autoshard.planner.gradient_reduction import (
     COMBINE_THRESHOLD_BYTES,
+    reduce_scattered,
 )
 from keras_autoshard.planner.loss_reduction import (
     loss_combined_reductions,
@@ -263,8 +264,7 @@ def accelerator_peak(
                 if group + size > COMBINE_THRESHOLD_BYTES:
                     largest_group, group = max(largest_group, group), 0.0
                 group += size
-                stored = {axis for _, axis in assignment.fsdp.get(tensor.name, ())}
-                if not stored & batch_axes:
+                if not reduce_scattered(tensor, assignment, batch_axes):
                     all_reduced += size
         combined[i] = max(largest_group, group)
     best = (-1.0, 0.0, 0.0, 0.0)

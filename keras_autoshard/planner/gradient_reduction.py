@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from keras_autoshard.graph.axis_graph import AxisGraph
+from keras_autoshard.graph.axis_graph import AxisGraph, TensorNode
 from keras_autoshard.planner.batch_classes import batch_carrying_classes
 from keras_autoshard.planner.cost_model import Assignment, local_bytes
 from keras_autoshard.planner.remat import gathered_param_terms
@@ -12,6 +12,25 @@ from keras_autoshard.planner.remat import gathered_param_terms
 # reduce-scatter twin, `xla/service/collective_utils.h`); a combined one's
 # concatenated operand and its result are live at once.
 COMBINE_THRESHOLD_BYTES = 30 * 2**20
+
+
+def reduce_scattered(
+    tensor: TensorNode, assignment: Assignment, batch_axes: set[str]
+) -> bool:
+    """Whether a parameter's gradient is reduce-scattered over the batch's
+    axes rather than all-reduced whole: its storage is cut over one of them
+    (FSDP), so each device keeps its shard of the sum.
+
+    Args:
+        tensor: The parameter's `TensorNode`.
+        assignment: The candidate sharding.
+        batch_axes: Mesh axis names the batch is cut over.
+
+    Returns:
+        True where the gradient is reduce-scattered.
+    """
+    stored = {axis for _, axis in assignment.fsdp.get(tensor.name, ())}
+    return bool(stored & batch_axes)
 
 
 def reduced_partials(
@@ -41,8 +60,7 @@ def reduced_partials(
         if event.phase != "backward" or tensor.kind != "param":
             continue
         axes = {assignment.class_axis.get(c) for c in event.classes}
-        stored = {axis for _, axis in assignment.fsdp.get(tensor.name, ())}
-        if not axes & batch_axes or stored & batch_axes:
+        if not axes & batch_axes or reduce_scattered(tensor, assignment, batch_axes):
             continue
         size = local_bytes(tensor, assignment, sizes) * event.multiplicity
         partials += size

@@ -3,6 +3,7 @@
 from keras_autoshard.planner.cost_model import Assignment
 from keras_autoshard.planner.gradient_reduction import (
     gathered_weight_bytes,
+    reduce_scattered,
     reduced_partials,
 )
 from tests.planner.small_models import SIZES, batch_class, blocks_graph, param_class
@@ -33,6 +34,17 @@ def test_a_weight_stored_cut_over_the_batch_axis_is_reduce_scattered_not_counted
     )
     partials, _ = reduced_partials(graph, stored, SIZES)
     assert partials == PARAMETER_BYTES - 50 * 16 * 4
+
+
+def test_only_a_storage_cut_over_a_batch_axis_reduce_scatters_the_gradient():
+    graph = blocks_graph()
+    table = next(t for t in graph.tensors if t.name == "table/embeddings")
+    batch = {batch_class(graph): "batch"}
+    over_batch = Assignment(batch, fsdp={"table/embeddings": ((1, "batch"),)})
+    over_model = Assignment(batch, fsdp={"table/embeddings": ((1, "model"),)})
+    assert reduce_scattered(table, over_batch, {"batch"})
+    assert not reduce_scattered(table, over_model, {"batch"})
+    assert not reduce_scattered(table, Assignment(batch), {"batch"})
 
 
 def test_a_gathered_weight_adds_its_copy_and_its_gradient_less_the_shard():
