@@ -10,6 +10,10 @@ python -m benchmarks.device_step --batch 32 --budget 64GiB \
     --json benchmarks/device_results/nvidia_h200_batch32_budget64gib.json
 python -m benchmarks.device_step --batch 32 --budget 32GiB \
     --json benchmarks/device_results/nvidia_h200_batch32_budget32gib.json
+python -m benchmarks.device_step --batch 128 --budget 48GiB \
+    --json benchmarks/device_results/nvidia_h200_batch128_budget48gib.json
+python -m benchmarks.device_step --batch 256 --budget 64GiB \
+    --json benchmarks/device_results/nvidia_h200_batch256_budget64gib.json
 ```
 
 then, anywhere, put the figures into `BENCHMARKS.md`:
@@ -90,6 +94,14 @@ RUNS = (
     (
         "benchmarks/device_results/nvidia_h200_batch32_budget32gib.json",
         " --batch 32 --budget 32GiB",
+    ),
+    (
+        "benchmarks/device_results/nvidia_h200_batch128_budget48gib.json",
+        " --batch 128 --budget 48GiB",
+    ),
+    (
+        "benchmarks/device_results/nvidia_h200_batch256_budget64gib.json",
+        " --batch 256 --budget 64GiB",
     ),
 )
 RESULTS = tuple(path for path, _ in RUNS)

@@ -149,8 +149,17 @@ def _run_lines(result: dict[str, Any]) -> list[str]:
             "a program the GPU does not run, with levers: "
             f"{', '.join(host.get('levers') or ['none'])}."
         )
+    refused = _plan_error(host_plan.get("error", ""))
+    if planned_here and refused:
+        lines.append(
+            "- Planned with `JAX_PLATFORMS=cpu`, Keras traces XLA's attention, "
+            "which keeps the (batch, heads, query, key) probabilities for the "
+            "backward pass, not the cuDNN attention the GPU runs (which keeps "
+            f"none): no plan fits, as the planner says: {refused}"
+        )
     for name in ("plan", "plan_on_host_cpu", "deviceless", "on_device"):
-        if "error" in result.get(name, {}):
+        told = name == "plan_on_host_cpu" and refused
+        if "error" in result.get(name, {}) and not told:
             lines.append(f"- {name} failed: `{result[name]['error'][:300]}`")
     if device.get("attention_custom_calls"):
         lines.append(
@@ -159,6 +168,15 @@ def _run_lines(result: dict[str, Any]) -> list[str]:
             + "), as Keras picks it on a GPU."
         )
     return lines + [""]
+
+
+def _plan_error(error: str) -> str:
+    """The planner's own words where a phase failed because no plan fits
+    (the child's traceback ends with its `PlanError`), else ''."""
+    marker = "PlanError: "
+    if marker not in error:
+        return ""
+    return error[error.rindex(marker) + len(marker) :].strip()
 
 
 def peak_flops(result: dict[str, Any]) -> float:

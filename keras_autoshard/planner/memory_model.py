@@ -215,11 +215,12 @@ def estimate_memory(
     accumulators = trainable if micro_batches > 1 else 0.0
     if platform != "cpu":
         # Accumulating, Keras applies the optimizer in a conditional that
-        # XLA:GPU makes a select: every trainable variable and its slots
-        # written anew beside the old (`accelerator_peak`).
+        # XLA:GPU makes a select across devices: every trainable variable
+        # and its slots written anew beside the old; on one device it keeps
+        # the conditional and copies the accumulators (`accelerator_peak`).
         updated = trainable * (1 + optimizer_slots) if micro_batches > 1 else 0.0
         kept, gradients, transient = accelerator_peak(
-            graph, assignment, sizes, remat, micro_batches, updated
+            graph, assignment, sizes, remat, micro_batches, updated, accumulators
         )
         return PlanEstimate(
             parameter_bytes=int(parameters),

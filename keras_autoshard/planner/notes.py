@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from keras_autoshard.planner.gradient_reduction import COMBINE_THRESHOLD_BYTES
 from keras_autoshard.plans.estimate import (
     XLA_GPU_MEMORY_SHARE,
     XLA_GPU_SLOP_FACTOR,
@@ -215,11 +216,16 @@ def fit_suggestions(mesh: MeshSpec, estimate: PlanEstimate) -> list[str]:
         # Accumulating, the update writes every variable and its slots
         # anew beside the old (`memory_model`): twice the parameters and
         # their slots, and the accumulators; on XLA:CPU the accumulators
-        # twice, on an accelerator the gradients and their reduction's
-        # operand beside one (`accelerator_peak`).
-        variables = estimate.parameter_bytes + estimate.optimizer_bytes
-        besides = 2 if estimate.compiler == "XLA:CPU" else 3
-        update = 2 * variables + besides * estimate.parameter_bytes
+        # twice; on accelerators the gradients beside them and their
+        # combined reduction's operand, at most `COMBINE_THRESHOLD_BYTES`,
+        # where one accelerator's update reads each gradient as it is made
+        # (`accelerator_peak`).
+        parameters = estimate.parameter_bytes
+        update = 2 * (parameters + estimate.optimizer_bytes) + parameters
+        if estimate.compiler == "XLA:CPU":
+            update += parameters
+        elif devices > 1:
+            update += parameters + min(parameters, COMBINE_THRESHOLD_BYTES)
         if estimate.job == "train" and update <= budget:
             suggestions.append(
                 f"a batch {steps}x smaller per step, or gradient accumulation "

@@ -124,12 +124,22 @@ def add_peak_budget(
     train = options.job == "train"
     part = 1.0 / micro_batches
     slots = options.optimizer_slots
-    copies = 2.0 + slots + (1.0 if micro_batches > 1 else 0.0)
+    accumulating = micro_batches > 1
+    # One accelerator keeps the accumulating conditional and holds a copy
+    # of the accumulators through the backward pass (`accelerator_peak`).
+    one_device = accelerator and not program.axes
+    copies = 2.0 + slots + accumulating + (one_device and accumulating)
     # The update: the variable, its slots and accumulator, and their new
-    # copies; an accelerator's leave the accumulator out and hold the
-    # gradient and its combined reduction's operand beside them
-    # (`accelerator_peak`).
-    updated = 2 * (2 + slots) if not accelerator else (2 + slots) + (1 + slots) + 2
+    # copies; an accelerator's leave the accumulator out and, across
+    # devices, hold the gradient beside them, and the operand of the
+    # gradients' combined all-reduce (below); one device's update reads
+    # each gradient as it is made (`accelerator_peak`). Counted as a copy
+    # of each gradient at any size and on one device too, that operand put
+    # one GPU's 1B-parameter Llama at batch 128 x 2048 over a 48 GiB budget
+    # by 0.1 GiB with every accumulation.
+    updated = 2 * (2 + slots)
+    if accelerator:
+        updated = (2 + slots) + (1 + slots) + (not one_device)
     unread = set(graph.unread)
     for tensor in graph.tensors:
         if tensor.kind == "state":
@@ -183,6 +193,12 @@ def add_peak_budget(
         for var, coefficient in terms.items():
             bound[var] = bound.get(var, 0.0) - coefficient
         program.lp.add_row(bound, lower=fixed)
+    if update is not None and accelerator and not one_device:
+        for tensor, share in _combined_shares(graph):
+            fixed, terms = program.bytes_terms(tensor, fsdp=False, scale=share)
+            update_constant += fixed
+            for var, coefficient in terms.items():
+                update[var] = update.get(var, 0.0) + coefficient
     rows = [(row, constant)]
     if train and not accelerator:
         rows.append(_gathered_weight_row(program, remat, state_terms, state_fixed))
@@ -241,6 +257,8 @@ def _lowest_stage_rows(
     options = program.options
     slots = options.optimizer_slots
     accumulator = 1.0 if part < 1.0 else 0.0
+    # One device holds a copy of the accumulators (`accelerator_peak`).
+    accumulator_copy = accumulator if not program.axes else 0.0
     unread = set(graph.unread)
     state: dict[int, float] = {transient: 1.0}
     state_constant = 0.0
@@ -255,7 +273,8 @@ def _lowest_stage_rows(
         if tensor.kind == "state":
             state_constant += add(state, tensor, True, 1.0)
         elif tensor.kind == "param":
-            copies = 1.0 + slots + accumulator + (tensor.id not in unread)
+            copies = 1.0 + slots + accumulator + accumulator_copy
+            copies += tensor.id not in unread
             state_constant += add(state, tensor, True, copies)
         elif tensor.kind == "input":
             state_constant += add(state, tensor, False, part)
@@ -263,13 +282,9 @@ def _lowest_stage_rows(
     for tid in graph.outputs:
         if graph.tensors[tid].requires_grad:
             state_constant += graph.tensors[tid].nbytes / data_ways * part
-    # One combined reduction of the gradients (`accelerator_peak.accelerator_peak`):
-    # all of them, in their compute layout, while together they are under
-    # XLA's threshold; past it, that share of each (a row must be linear).
-    read = [t for t in graph.tensors if t.kind == "param" and t.id not in unread]
-    share = min(1.0, COMBINE_THRESHOLD_BYTES / max(1, sum(t.nbytes for t in read)))
-    for tensor in read:
-        state_constant += add(state, tensor, False, share)
+    if program.axes:  # one device reduces nothing
+        for tensor, share in _combined_shares(graph):
+            state_constant += add(state, tensor, False, share)
     rows = []
     kept: dict[int, float] = {}
     kept_constant = 0.0
@@ -348,3 +363,15 @@ def _transient_candidates(
             for t, f in graph.workspaces
         ]
     return chosen
+
+
+def _combined_shares(graph) -> list[tuple[object, float]]:
+    """One combined reduction of the gradients
+    (`accelerator_peak.accelerator_peak`): `(parameter, share)` for each
+    parameter the step reads, in its compute layout, all of each while
+    together they are under XLA's `COMBINE_THRESHOLD_BYTES`; past it, that
+    share of each (a row must be linear)."""
+    unread = set(graph.unread)
+    read = [t for t in graph.tensors if t.kind == "param" and t.id not in unread]
+    share = min(1.0, COMBINE_THRESHOLD_BYTES / max(1, sum(t.nbytes for t in read)))
+    return [(tensor, share) for tensor in read]

@@ -117,10 +117,11 @@ def test_a_gpu_plan_filling_its_budget_compiles_within_it_on_xla_gpu():
     `HEADROOM` (the worst under-estimate measured on XLA:GPU: BENCHMARKS.md
     "memory truth on XLA:GPU" and "real-size memory truth on XLA:GPU"),
     compiled by XLA:GPU for 8 H100s, fits that budget, and its estimate is
-    within 15 % of the compiled peak (measured: 20.22 against 18.14 MB,
-    1.11; the zoo's small plans span 0.89 to 1.15). Before the estimate
-    held every gradient to the updates this model compiled more than 14 %
-    over its estimate, which only 8 MiB kept beside the share covered."""
+    within 10 % of the compiled peak, as the zoo's rows are asked to be
+    (measured: 18.25 against 18.14 MB, 1.01; the zoo's small plans span
+    0.89 to 1.11). Before the estimate held every
+    gradient to the updates this model compiled more than 14 % over its
+    estimate, which only 8 MiB kept beside the share covered."""
     from keras_autoshard.plans.estimate import HEADROOM
     from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
@@ -137,4 +138,4 @@ def test_a_gpu_plan_filling_its_budget_compiles_within_it_on_xla_gpu():
     )
     assert compiled <= budget, (compiled, budget, fitted.estimate.to_dict())
     ratio = fitted.estimate.peak_bytes / compiled
-    assert abs(ratio - 1) <= 0.15, (ratio, fitted.estimate.to_dict())
+    assert abs(ratio - 1) <= 0.10, (ratio, fitted.estimate.to_dict())

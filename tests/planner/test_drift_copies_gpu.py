@@ -1,18 +1,28 @@
 """The estimate of a plan whose storage cuts XLA:GPU carries into the
 activations, against XLA:GPU's compiled peak, at real widths.
 
-Llama-2-70B's plan on 16x16 (batch 256 x 4096, `mixed_bfloat16`, for
-H100s) stores each attention norm's scale cut over `model` and accumulates
-2 micro-batches: XLA:GPU holds the activations that layers not
-rematerialized keep cut over `model` (`stream_drift.held_as_partitioned`)
-and forms their weight gradients at the end of the backward pass from
-gathered copies (`stream_drift.gathered_by_stage`). The same plan at 3 and
-7 layers with the lower 2 rematerialized (the 80-layer plan keeps its upper
-11 whole) is compiled deviceless for the mesh's 256 GPUs. The estimate was
-0.75 and 1.17 of those peaks before both were followed (0.96 and 0.99
-with them). The plan of the whole depth is planned as the real-size
-benchmark plans its row (`plan_row`; `benchmarks/real_size_gpu.py`: at 80
-layers, 0.99).
+Two plans the planner made for Llama-2-70B on 16x16 (batch 256 x 4096,
+`mixed_bfloat16`, for H100s, accumulating 2 micro-batches), kept here at 7
+layers (`data/`):
+- `scales_cut` stores each attention norm's scale cut over `model`: XLA:GPU
+  holds the activations that layers not rematerialized keep cut over
+  `model` (`stream_drift.held_as_partitioned`) and forms their weight
+  gradients at the end of the backward pass from gathered copies, among
+  them the forward pass's gathered norm outputs
+  (`stream_drift.gathered_by_stage`). The estimate was 0.75 and 1.17 of the
+  peaks at 3 and 7 layers before both were followed (0.92 and 1.00 with
+  them).
+- `kernels_cut` stores the key kernels cut over `model` on their hidden
+  dim (the norm scales whole), and here the value kernels as the keys (the
+  planner stored them `(None, None, 'batch')`, which a pinned estimate
+  reproduces as a cut: `reduced_depth.pinned_estimate`): the kept
+  activations are held cut as well, but the norm outputs gathered in the
+  forward pass are freed there. Counting those copies put the estimate at
+  1.10 of the compiled peak of the planner's 80-layer plan and at 1.09 of
+  this one's at 7 layers (0.99 without them), so this case is held to the
+  real-size rows' 5 %.
+Each is compiled deviceless for the mesh's 256 GPUs with its lower 2
+layers rematerialized.
 """
 
 import dataclasses
@@ -21,38 +31,43 @@ import pathlib
 
 import pytest
 
+from keras_autoshard import ShardingPlan
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.building import build_abstract
-from keras_autoshard.testing.real_size_models import TARGET, RealSizeRow, plan_row
+from keras_autoshard.testing.real_size_models import TARGET, RealSizeRow
 from keras_autoshard.testing.reduced_depth import pinned_estimate, restricted_plan
 
-CONFIG = pathlib.Path(__file__).parents[2] / "examples" / "configs" / "llama2_70b.json"
+ROOT = pathlib.Path(__file__).parents[2]
+CONFIG = ROOT / "examples" / "configs" / "llama2_70b.json"
+PLANS = pathlib.Path(__file__).parent / "data"
 REMATERIALIZED = 2
 
 
-@pytest.fixture(scope="module")
-def full_plan():
-    """Llama-2-70B on 16x16 (batch 256 x 4096) and its plan of the whole
-    depth."""
+def _row() -> RealSizeRow:
     config = json.loads(CONFIG.read_text())
-    row = RealSizeRow("Llama-2-70B", "LlamaBackbone", config, (16, 16), 256, 4096)
-    return row, plan_row(row).plan
+    return RealSizeRow("Llama-2-70B", "LlamaBackbone", config, (16, 16), 256, 4096)
 
 
-@pytest.mark.parametrize("layers", [3, 7])
-def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(full_plan, layers):
-    row, sharding_plan = full_plan
-    scales = [
-        v.spec
-        for v in sharding_plan.variables
-        if v.path.endswith("self_attention_layernorm/scale")
-    ]
-    assert scales and all(spec == ("model",) for spec in scales)  # the drift
-    assert sharding_plan.gradient_accumulation_steps == 2
+@pytest.mark.parametrize(
+    "plan_name, layers",
+    [("scales_cut", 3), ("scales_cut", 7), ("kernels_cut", 7)],
+)
+def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(plan_name, layers):
+    row = _row()
+    stored = ShardingPlan.load(str(PLANS / f"llama2_70b_16x16_{plan_name}.json"))
+    specs = {v.path: v.spec for v in stored.variables}
+    scales = [s for p, s in specs.items() if p.endswith("attention_layernorm/scale")]
+    keys = [s for p, s in specs.items() if p.endswith("attention/key/kernel")]
+    if plan_name == "scales_cut":  # the drift: a scale's, or a kernel's
+        assert scales and all(spec == ("model",) for spec in scales)
+    else:
+        assert all(spec == (None,) for spec in scales)
+        assert keys and all(spec[0] == "model" for spec in keys)
+    assert stored.gradient_accumulation_steps == 2
     builder = row.builder(layers)
     paths = [v.path for v in build_abstract(builder).variables]
     shallow = dataclasses.replace(
-        restricted_plan(sharding_plan, paths),
+        restricted_plan(stored, paths),
         rematerialize=tuple(f"transformer_layer_{i}" for i in range(REMATERIALIZED)),
     )
     estimate, _, differences = pinned_estimate(
@@ -67,4 +82,5 @@ def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(full_plan, laye
         TARGET,
     )
     ratio = compiled.estimated_peak_bytes / compiled.compiled_peak_bytes
-    assert 0.9 <= ratio <= 1.1, ratio
+    bound = 0.05 if plan_name == "kernels_cut" else 0.10
+    assert abs(ratio - 1) <= bound, ratio

@@ -63,3 +63,30 @@ def test_a_small_budget_for_gpus_keeps_the_share_alone_and_suggests_the_same():
     assert on_gpu[0].startswith("about 16 devices instead of 8"), on_gpu
     assert on_gpu[1].startswith("a batch 3x smaller per step"), on_gpu
     assert on_gpu == fit_suggestions(mesh, _estimate(int(4.5 * 2**20), "XLA:CPU"))
+
+
+def test_accumulation_is_suggested_where_its_update_fits_one_gpu():
+    """Accumulating on accelerators, the update holds the variables and
+    their slots twice, the accumulators, the gradients and their combined
+    all-reduce operand (at most 30 MiB, `COMBINE_THRESHOLD_BYTES`); one
+    GPU's reads each gradient as it is made and reduces none. With 1 MiB
+    of parameters, 2 MiB of Adam slots and 8.5 MiB the plan may fill, the
+    update fits one GPU (7 MiB), not 8 (9 MiB)."""
+    from keras_autoshard.planner.notes import fit_suggestions
+    from keras_autoshard.plans.estimate import HEADROOM, PlanEstimate
+
+    budget = int(8.5 * 2**20 / (1 - HEADROOM["XLA:GPU"])) + 1
+    estimate = PlanEstimate(
+        parameter_bytes=2**20,
+        gradient_bytes=2**20,
+        optimizer_bytes=2 * 2**20,
+        activation_bytes=8 * 2**20,
+        data_bytes=0,
+        transient_bytes=0,
+        budget_bytes=budget,
+        compiler="XLA:GPU",
+    )
+    one = fit_suggestions(MeshSpec((1, 1), ("batch", "model")), estimate)
+    assert "gradient accumulation over 2 steps" in one[1], one
+    eight = fit_suggestions(MeshSpec((2, 4), ("batch", "model")), estimate)
+    assert "gradient accumulation would not fit" in eight[1], eight
