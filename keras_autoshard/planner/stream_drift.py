@@ -254,7 +254,8 @@ def gathered_by_stage(
         Bytes per device at each stage (one entry per stage).
     """
     order = layer_calls(graph)
-    drifted = drifted_classes(graph, assignment)
+    streamed = stream_drift(graph, assignment).classes  # a norm scale's
+    drifted = {**kernel_drift(graph, assignment), **streamed}
     if not drifted:  # nothing held cut, nothing gathered
         return [0.0] * (len(order) + 1)
     position = {layer: i for i, layer in enumerate(order)}
@@ -275,7 +276,6 @@ def gathered_by_stage(
         else:
             late[position.get(layer, len(order))] += size
 
-    streamed = stream_drift(graph, assignment).classes
     for out, lhs, rhs, _ in graph.products:
         layer = graph.tensor_layers[out]
         if layer in remat or not {lhs, rhs} & params:
