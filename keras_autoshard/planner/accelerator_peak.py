@@ -104,11 +104,10 @@ def accelerator_peak(
             anew beside the old state (every trainable variable and its
             slots: Keras applies the optimizer in a conditional, which
             XLA:GPU makes straight-line code across devices). The update
-            runs after the backward
-            pass, the activations freed, beside every gradient and the
-            operand of their combined all-reduce (those stored cut over
-            the batch are reduce-scattered in the backward pass: their
-            shards alone). A stack of three 512-wide MLPs on 2x4
+            runs after the backward pass, the activations freed, beside
+            every gradient and the operand of their combined all-reduce
+            (those stored cut over the batch are reduce-scattered in the
+            backward pass: their shards alone). A stack of three 512-wide MLPs on 2x4
             accumulating 4 micro-batches peaks there, 1.00 of its compiled
             peak; 0.78 counted without the gradients and the operand, 0.67
             without the update (`tests/planner/test_accumulation_update_gpu.py`).

@@ -34,7 +34,8 @@ the gradients finished so far (held to the updates, after the backward
 pass) and one buffer of its largest batch activation; under gradient
 accumulation the update, after the backward pass, writes every trainable
 variable and its slots anew beside the old, the gradients and their
-all-reduce's operand.
+all-reduce's operand (on one device the new copies alone, and a copy of
+the accumulators through the backward pass).
 
 For inference (`predict`), the parameters, the data, the predictions (the
 outputs it returns) and twice the largest activation of the batch (a

@@ -1,9 +1,12 @@
 """Gradient accumulation's update on XLA:GPU (`memory_model`, the
 accelerator's update phase): Keras applies the optimizer in a conditional
-(apply or accumulate), which XLA:GPU makes a select, so every trainable
-variable and its slots are written anew beside the old, after the backward
-pass; with small activations that is the step's peak. Checked on a model
-written here, compiled deviceless for 8 H100s on 2x4."""
+(apply or accumulate). Across devices XLA:GPU makes it straight-line code,
+so every trainable variable and its slots are written anew beside the old,
+after the backward pass; with small activations that is the step's peak.
+On one device it keeps the conditional, copies the accumulators through
+the backward pass and updates each variable as its gradient is made.
+Checked on a model written here, compiled deviceless for 8 H100s on 2x4
+and for one H100."""
 
 import functools
 
@@ -17,8 +20,6 @@ from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
 BATCH, TOKENS, WIDTH, LAYERS, STEPS = 8, 16, 512, 3, 4
 MESH = ka.MeshSpec((2, 4), ("batch", "model"))
-FEATURES = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
-TARGETS = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
 
 
 def wide_mlps():
@@ -31,18 +32,19 @@ def wide_mlps():
     return keras.Model(inputs, hidden)
 
 
+def _compiled(mesh, batch, **levers):
+    """(plan, compiled peak) of the model planned for H100s on `mesh` with
+    `levers` (`ka.plan`'s), `batch` sequences per step."""
+    features = jax.ShapeDtypeStruct((batch, TOKENS, WIDTH), np.float32)
+    plan = ka.plan(wide_mlps, mesh, features, hardware="h100-80gb", **levers)
+    step = compile_for_target(wide_mlps, plan, (features, features), "h100-80gb")
+    return plan, compiled_peak_bytes(step.step.memory)
+
+
 @functools.cache
 def compiled():
     """(plan, compiled peak) of the model accumulating `STEPS` micro-batches."""
-    plan = ka.plan(
-        wide_mlps,
-        MESH,
-        FEATURES,
-        hardware="h100-80gb",
-        gradient_accumulation_steps=STEPS,
-    )
-    step = compile_for_target(wide_mlps, plan, (FEATURES, TARGETS), "h100-80gb")
-    return plan, compiled_peak_bytes(step.step.memory)
+    return _compiled(MESH, BATCH, gradient_accumulation_steps=STEPS)
 
 
 def test_the_update_writes_the_variables_and_their_slots_anew_at_the_peak():
@@ -72,14 +74,6 @@ def test_an_accumulating_plan_is_estimated_within_10_percent_on_xla_gpu():
 ONE_GPU = ka.MeshSpec((1, 1), ("batch", "model"))
 
 
-def _one_gpu(batch, **levers):
-    """(plan, compiled peak) of the stack on one H100."""
-    whole_batch = jax.ShapeDtypeStruct((batch, TOKENS, WIDTH), np.float32)
-    plan = ka.plan(wide_mlps, ONE_GPU, whole_batch, hardware="h100-80gb", **levers)
-    step = compile_for_target(wide_mlps, plan, (whole_batch, whole_batch), "h100-80gb")
-    return plan, compiled_peak_bytes(step.step.memory)
-
-
 def test_one_gpu_keeps_the_conditional_and_copies_the_accumulators():
     """On one device XLA:GPU keeps Keras's apply-or-accumulate conditional:
     it copies the accumulators it reads in the forward pass and holds the
@@ -88,7 +82,7 @@ def test_one_gpu_keeps_the_conditional_and_copies_the_accumulators():
     variables and slots alone. Measured: 0.98 of the compiled peak (170.2
     against 174.2 MiB, at the update); counted as across devices (every
     gradient beside the new copies, no copies of the accumulators) 1.11."""
-    plan, peak = _one_gpu(128, gradient_accumulation_steps=STEPS)
+    plan, peak = _compiled(ONE_GPU, 128, gradient_accumulation_steps=STEPS)
     estimate = plan.estimate
     assert estimate.gradient_bytes == 0  # the update holds no gradient
     assert estimate.transient_bytes == 3 * estimate.parameter_bytes
@@ -109,7 +103,7 @@ def test_one_gpu_accumulates_where_the_update_fits_its_budget():
     at the update (9 copies) left no plan under 250 MB (215 MB to fill).
     Measured: 8 micro-batches, compiled at 204.2 MiB (within the budget),
     estimated at 0.94 of it."""
-    plan, peak = _one_gpu(512, memory_budget=BUDGET_BYTES)
+    plan, peak = _compiled(ONE_GPU, 512, memory_budget=BUDGET_BYTES)
     assert plan.gradient_accumulation_steps > 1
     assert peak <= BUDGET_BYTES, (peak, plan.estimate.to_dict())
     ratio = plan.estimate.peak_bytes / peak
