@@ -21,6 +21,7 @@ from keras_autoshard.graph.fusion import (
     cast_pairs,
     expensively_read_products,
     kept_after_fusion,
+    norm_read_products,
     product_images,
 )
 from keras_autoshard.graph.kv_cache import key_value_pairs
@@ -70,6 +71,7 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
         ),
         fused_products=product_images(builder),
         expensively_read_products=expensively_read_products(builder),
+        norm_read_products=_norm_read_products(builder, tensors),
         casts=cast_pairs(builder),
         relaid_operands=tuple(sorted(builder.relaid_operands)),
         param_views=tuple(
@@ -103,6 +105,18 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
             if t.kind == "input" and t.id in builder.readers
         ),
     )
+
+
+def _norm_read_products(
+    builder: GraphBuilder, tensors: tuple[TensorNode, ...]
+) -> tuple[tuple[int, int, tuple[int, ...], bool], ...]:
+    """`fusion.norm_read_products` with each reduced dim as its class."""
+    found = []
+    for out, total, dims, chained in norm_read_products(builder):
+        classes = {tensors[tid].dim_classes[dim] for tid, dim in dims}
+        reduced = tuple(sorted(c for c in classes if c is not None))
+        found.append((out, total, reduced, chained))
+    return tuple(found)
 
 
 def _mark_repeated_classes(builder: GraphBuilder) -> None:

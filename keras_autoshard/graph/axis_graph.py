@@ -271,6 +271,13 @@ class AxisGraph:
             fusible work after them turns by an expensive elementwise
             primitive (a GELU's tanh; not a ReLU's `max`): XLA:GPU keeps
             fewer of their partial results (`planner/split_k.py`).
+        norm_read_products: `(output, sum, reduced classes, chained)` of
+            those `fused_products` whose one reader is a residual sum: the
+            sum, the classes the reductions after it reduce (a norm's), and
+            whether the sum adds another such sum. Where those classes are
+            cut across devices, XLA:GPU fuses a chained sum's split
+            partials into every reader rather than materialise it
+            (`planner/split_k.norm_read_partials_factors`).
         casts: `(cast, source)` tensor ids: each parameter or activation
             converted to another precision, the shape kept (a parameter's
             bfloat16 cast under `mixed_bfloat16`, which a product then reads
@@ -329,6 +336,7 @@ class AxisGraph:
     products: tuple[tuple[int, int, int, int], ...] = ()
     fused_products: tuple[tuple[int, tuple[int, ...], bool], ...] = ()
     expensively_read_products: tuple[int, ...] = ()
+    norm_read_products: tuple[tuple[int, int, tuple[int, ...], bool], ...] = ()
     casts: tuple[tuple[int, int], ...] = ()
     relaid_operands: tuple[int, ...] = ()
     param_views: tuple[tuple[int, int], ...] = ()

@@ -94,13 +94,18 @@ FUSED_RELABELS = frozenset({"transpose"})
 
 
 def note_fusion(
-    builder: Any, name: str, fusible: bool, ins: Sequence[int], outs: Sequence[int]
+    builder: Any,
+    name: str,
+    fusible: bool,
+    ins: Sequence[int],
+    outs: Sequence[int],
+    params: dict | None = None,
 ) -> None:
     """Record what the fusion rules read of one equation (`name`, reading
-    `ins`, making `outs`) in the walk's state: a fusible equation's outputs
-    are made from `ins` by `name`; an unfusible one reads `ins` (and the
-    sources of the views among them); a reduction's output reduces its
-    first operand."""
+    `ins`, making `outs`, with `params`) in the walk's state: a fusible
+    equation's outputs are made from `ins` by `name`; an unfusible one
+    reads `ins` (and the sources of the views among them); a reduction's
+    output reduces its first operand over the dims its `axes` name."""
     if fusible:
         for tid in outs:
             builder.fused_from[tid] = tuple(ins)
@@ -113,6 +118,7 @@ def note_fusion(
             readers.setdefault(builder.view_of[tid], set()).add(name)
     if name in REDUCTIONS and ins and outs:
         builder.reduced_from[outs[0]] = ins[0]
+        builder.reduced_axes[outs[0]] = tuple((params or {}).get("axes", ()))
 
 
 def kept_after_fusion(
@@ -471,3 +477,48 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
         if not _reaches(builder, fused_readers, out, OPERAND_EMITTED):
             fused.append((out, made, bool(needed.intersection((out, *made)))))
     return tuple(fused)
+
+
+def norm_read_products(
+    builder: Any,
+) -> tuple[tuple[int, int, tuple[tuple[int, int], ...], bool], ...]:
+    """`AxisGraph.norm_read_products` before its dims become classes: each
+    fused unbatched product (`product_images`) whose one reader is a
+    residual sum (an `add` of an operand of the product's shape), that sum,
+    the `(tensor, dim)` pairs the reductions after it reduce (a norm's
+    mean of squares, through fusible work of the sum's shape, up to the
+    next such sum), and whether the sum's other operand is itself such a
+    sum (a residual stream's second sum on: its first adds the stream's
+    input)."""
+    fused_readers = _fused_readers(builder)
+    reductions: dict[int, list[int]] = {}
+    for out, source in builder.reduced_from.items():
+        reductions.setdefault(builder.view_of.get(source, source), []).append(out)
+    fused = {out for out, _, _ in product_images(builder)}
+    sums: dict[int, tuple[int, int]] = {}  # sum -> (product, other operand)
+    for out in sorted(fused):
+        readers = fused_readers.get(out, ())
+        if len(readers) != 1 or builder.made_by.get(readers[0]) != "add":
+            continue
+        operands = [builder.view_of.get(t, t) for t in builder.fused_from[readers[0]]]
+        others = [t for t in operands if t != out]
+        if len(others) == 1 and builder.shape(others[0]) == builder.shape(out):
+            sums[readers[0]] = (out, others[0])
+
+    def reduced(start: int) -> list[tuple[int, int]]:
+        found, seen, todo = [], {start}, [start]
+        while todo:
+            tid = todo.pop()
+            for reduction in reductions.get(tid, ()):
+                found.extend((tid, d) for d in builder.reduced_axes.get(reduction, ()))
+            for reader in fused_readers.get(tid, ()):
+                same = builder.shape(reader) == builder.shape(start)
+                if reader not in seen and reader not in sums and same:
+                    seen.add(reader)
+                    todo.append(reader)
+        return found
+
+    return tuple(
+        (out, total, tuple(reduced(total)), other in sums)
+        for total, (out, other) in sums.items()
+    )

@@ -100,6 +100,7 @@ class GraphBuilder:
         # equation reads (a matmul reading a copy or reshape of it).
         self.readers_through_views: dict[int, set[str]] = {}
         self.reduced_from: dict[int, int] = {}
+        self.reduced_axes: dict[int, tuple[int, ...]] = {}  # reduction -> dims
         # A max or min pooling's operand -> (its output, its layer).
         self.poolings: dict[int, tuple[int, str]] = {}
         # > 0 while walking the body of a call whose own derivative rule
@@ -130,7 +131,9 @@ class GraphBuilder:
         if name in POOLINGS and eqn.ins:
             self.poolings[eqn.ins[0]] = (outs[0], self.layers.current)
         if name not in STRUCTURAL_PRIMITIVES:
-            note_fusion(self, name, name in FUSIBLE_PRIMITIVES, eqn.ins, outs)
+            note_fusion(
+                self, name, name in FUSIBLE_PRIMITIVES, eqn.ins, outs, eqn.params
+            )
         if all(t in self.constant_like for t in eqn.ins):
             # Computed from constants alone (rotary tables from iota): XLA
             # folds it into the program's constants, nothing is kept.

@@ -32,6 +32,7 @@ from keras_autoshard.planner.split_k import (
     gradient_buffers,
     kept_partials_factors,
     merged_split_gradient_bytes,
+    norm_read_partials_factors,
     partials_made_by,
 )
 from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
@@ -148,6 +149,10 @@ def accelerator_peak(
     residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
     products = activation_products(graph, whole, sizes)
     partials_kept = kept_partials_factors(graph, products, residuals)
+    for tid, factor in norm_read_partials_factors(
+        graph, products, whole, sizes, residuals
+    ).items():
+        partials_kept.setdefault(tid, factor)
     gradient_buffers_of = gradient_buffers(graph, products)
     partials_makers = partials_made_by(graph, products)
 

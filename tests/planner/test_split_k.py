@@ -13,6 +13,7 @@ from keras_autoshard.planner.split_k import (
     input_gradient_partials,
     kept_partials_factors,
     merged_split_gradient_bytes,
+    norm_read_partials_factors,
     partials_made_by,
     split_parts,
 )
@@ -107,6 +108,60 @@ def test_more_partials_than_xla_keeps_are_not_kept():
         )
         == {}
     )
+
+
+STREAM_TOKENS = 256
+
+
+def residual_stream():
+    """Two residual blocks `x + relu(rms(x) @ up) @ down` (256 tokens,
+    256 -> 512 -> 256) and a last RMS norm, as XLA:GPU keeps residuals;
+    the two down projections' outputs."""
+
+    def rms(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)) * scale
+
+    def f(s1, up1, down1, s2, up2, down2, s3, x):
+        x = x + jax.nn.relu(rms(x, s1) @ up1) @ down1
+        x = x + jax.nn.relu(rms(x, s2) @ up2) @ down2
+        return rms(x, s3)
+
+    block = [(WIDTH,), (WIDTH, HIDDEN), (HIDDEN, WIDTH)]
+    names = ("s1", "up1", "down1", "s2", "up2", "down2", "s3")
+    kinds = [("param", n) for n in names] + [("input", "x")]
+    shapes = [*block, *block, (WIDTH,), (STREAM_TOKENS, WIDTH)]
+    graph = _graph(f, shapes, kinds).for_platform("gpu")
+    return graph, _product_of(graph, "down1"), _product_of(graph, "down2")
+
+
+def test_a_residual_stream_cut_over_its_width_holds_split_partials():
+    """The stream's width cut 4 ways, each down projection (256 tokens by
+    64 over 512 on a device) split in 8: the norm after each sum reduces a
+    cut dim, so XLA:GPU fuses the second sum's 8 float32 partials into its
+    readers and holds them where the sum would be kept
+    (`tests/planner/test_kept_partials_gpu.py` reads it off the program);
+    the first sum, which adds the stream's input, it writes out."""
+    graph, down1, down2 = residual_stream()
+    kept = frozenset(k.tensor for k in graph.residuals)
+    assert {down1, down2} <= kept  # each sum is recomputed from its product
+    width = graph.param("s1").dim_classes[0]
+    hidden = {graph.param(w).dim_classes[1]: "model" for w in ("up1", "up2")}
+    sizes = {"model": 4}
+    assert split_parts(HIDDEN, STREAM_TOKENS, WIDTH / 4) == 8
+
+    def factors(class_axis, kept=kept):
+        cut = Assignment(class_axis=class_axis)
+        products = activation_products(graph, cut, sizes)
+        return norm_read_partials_factors(graph, products, cut, sizes, kept)
+
+    assert factors({width: "model"}) == {down2: 8.0}
+    # Kept as the sum itself (the view that stops at a layer call's end).
+    (total,) = [s for out, s, _, _ in graph.norm_read_products if out == down2]
+    assert factors({width: "model"}, frozenset({total})) == {total: 8.0}
+    # The norms reduce on one device: each sum is written out.
+    assert factors({}) == {}
+    # The hidden dim cut too: each down projection's output is all-reduced.
+    assert factors({width: "model", **hidden}) == {}
 
 
 RELU_WIDE = 2 * HIDDEN
