@@ -36,6 +36,7 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
     recorded about residuals, layers and products."""
     _mark_repeated_classes(builder)
     class_of, classes = _compact_classes(builder)
+    fused_products = product_images(builder)
     tensors = tuple(
         TensorNode(
             id=tid,
@@ -69,9 +70,9 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
             (out, *operands)
             for out, operands in sorted(builder.unbatched_products.items())
         ),
-        fused_products=product_images(builder),
+        fused_products=fused_products,
         expensively_read_products=expensively_read_products(builder),
-        norm_read_products=_norm_read_products(builder, tensors),
+        norm_read_products=_norm_read_products(builder, tensors, fused_products),
         casts=cast_pairs(builder),
         relaid_operands=tuple(sorted(builder.relaid_operands)),
         param_views=tuple(
@@ -108,11 +109,11 @@ def assemble_axis_graph(builder: GraphBuilder) -> AxisGraph:
 
 
 def _norm_read_products(
-    builder: GraphBuilder, tensors: tuple[TensorNode, ...]
+    builder: GraphBuilder, tensors: tuple[TensorNode, ...], fused_products: tuple
 ) -> tuple[tuple[int, int, tuple[int, ...], bool], ...]:
     """`fusion.norm_read_products` with each reduced dim as its class."""
     found = []
-    for out, total, dims, chained in norm_read_products(builder):
+    for out, total, dims, chained in norm_read_products(builder, fused_products):
         classes = {tensors[tid].dim_classes[dim] for tid, dim in dims}
         reduced = tuple(sorted(c for c in classes if c is not None))
         found.append((out, total, reduced, chained))

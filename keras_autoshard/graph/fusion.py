@@ -480,10 +480,10 @@ def product_images(builder: Any) -> tuple[tuple[int, tuple[int, ...], bool], ...
 
 
 def norm_read_products(
-    builder: Any,
+    builder: Any, fused_products: Sequence[tuple[int, tuple[int, ...], bool]]
 ) -> tuple[tuple[int, int, tuple[tuple[int, int], ...], bool], ...]:
     """`AxisGraph.norm_read_products` before its dims become classes: each
-    fused unbatched product (`product_images`) whose one reader is a
+    of `fused_products` (`product_images`) whose one reader is a
     residual sum (an `add` of an operand of the product's shape), that sum,
     the `(tensor, dim)` pairs the reductions after it reduce (a norm's
     mean of squares, through fusible work of the sum's shape, up to the
@@ -494,7 +494,7 @@ def norm_read_products(
     reductions: dict[int, list[int]] = {}
     for out, source in builder.reduced_from.items():
         reductions.setdefault(builder.view_of.get(source, source), []).append(out)
-    fused = {out for out, _, _ in product_images(builder)}
+    fused = {out for out, _, _ in fused_products}
     sums: dict[int, tuple[int, int]] = {}  # sum -> (product, other operand)
     for out in sorted(fused):
         readers = fused_readers.get(out, ())
