@@ -417,9 +417,9 @@ def norm_read_partials_factors(
     sizes: dict[str, int],
     kept: frozenset[int],
 ) -> dict[int, float]:
-    """Output id -> bytes XLA:GPU keeps per byte of the output, for kept
-    outputs of products whose split partial results a residual stream
-    holds in place of its sum.
+    """Kept id -> bytes XLA:GPU keeps per byte of it, for the residual sums
+    (or the products they are recomputed from, whichever is kept) whose
+    split partial results a residual stream holds in place of the sum.
 
     A residual sum of a product split over its contraction
     (`AxisGraph.norm_read_products`), read by a norm that reduces a class
@@ -434,10 +434,11 @@ def norm_read_partials_factors(
     cut, its output is all-reduced whole. Read off XLA:GPU's program of a
     residual MLP stack with its hidden dim cut over `model` on 2x4
     (`tests/planner/test_kept_partials_gpu.py`: the second block's 8
-    partials read in the backward pass, the first block's not, 16 partials
-    not) and of the zoo's Gemma with LoRA on 2x4 (its attention and MLP
-    output products' 8 partials held from the first block's MLP on:
-    0.90 of the compiled peak before, 0.98 after).
+    partials read in the backward pass, the first block's not; the same
+    stack twice as wide, split in 16, writes its second sum out too) and
+    of the zoo's Gemma with LoRA on 2x4 (its attention and MLP output
+    products' 8 partials held from the first block's MLP on: 0.90 of the
+    compiled peak before, 0.98 after).
 
     Args:
         graph: The model's axis graph.
@@ -447,8 +448,8 @@ def norm_read_partials_factors(
         kept: The activations the backward pass keeps.
 
     Returns:
-        The factor of each kept output whose partials are held (others
-        absent).
+        The factor of each kept sum or product whose partials are held
+        (others absent).
     """
 
     def cut(classes) -> bool:
