@@ -162,23 +162,12 @@ def test_the_estimate_follows_the_kept_partials(case):
 FFN = 512
 
 
-class RMSNorm(keras.layers.Layer):
-    def build(self, input_shape):
-        self.scale = self.add_weight(
-            shape=(input_shape[-1],), initializer="ones", name="scale"
-        )
-
-    def call(self, x):
-        mean_square = ops.mean(ops.square(x), axis=-1, keepdims=True)
-        return x * ops.rsqrt(mean_square + 1e-6) * self.scale
-
-
 class ResidualMLP(keras.layers.Layer):
     """`x + down(relu(up(rms(x))))`, 256 -> 512 -> 256."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.norm = RMSNorm(name="norm")
+        self.norm = keras.layers.RMSNormalization(name="norm")
         self.up = keras.layers.Dense(FFN, activation="relu", name="up")
         self.down = keras.layers.Dense(WIDTH, use_bias=False, name="down")
 
@@ -199,7 +188,9 @@ def compiled_stream():
 
     def build():
         blocks = [ResidualMLP(name=f"block_{i}") for i in range(2)]
-        model = keras.Sequential([*blocks, RMSNorm(name="last"), keras.layers.Dense(8)])
+        model = keras.Sequential(
+            [*blocks, keras.layers.RMSNormalization(name="last"), keras.layers.Dense(8)]
+        )
         model.build((None, TOKENS, WIDTH))
         return model
 
