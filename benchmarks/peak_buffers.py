@@ -219,7 +219,8 @@ def zoo_peak_buffers(model: str, mesh: str, policy: str) -> dict[str, Any]:
         policy: The row's policy (`"float32"`, `"float32, remat all"`).
 
     Returns:
-        `{"plan": ..., "compiled_peak": bytes, "peak": PeakBuffers}`.
+        `{"plan": ..., "compiled_peak": bytes, "peak": PeakBuffers,
+        "hlo_text": the optimized program}`.
     """
     from keras_autoshard import compile_for_target
     from keras_autoshard.testing import zoo
@@ -238,11 +239,13 @@ def zoo_peak_buffers(model: str, mesh: str, policy: str) -> dict[str, Any]:
         dump = pathlib.Path(directory)
         (live,) = dump.glob("*train_step*gpu_after_optimizations-live-range.txt")
         (hlo,) = dump.glob("*train_step*gpu_after_optimizations.txt")
-        peak = read_peak_buffers(live.read_text(), hlo.read_text())
+        hlo_text = hlo.read_text()
+        peak = read_peak_buffers(live.read_text(), hlo_text)
     return {
         "plan": sharding_plan,
         "compiled_peak": result.compiled_peak_bytes,
         "peak": peak,
+        "hlo_text": hlo_text,
     }
 
 

@@ -166,8 +166,21 @@ def held_as_partitioned(
     estimate over compiled 1.19); where a product the plan computes whole
     over that axis reads one, its gathered copy is kept as well
     (`gathered_by_stage`).
-    A rematerialized layer's recomputed activations are made whole, as the
-    plan computes them.
+    A rematerialized layer's recomputed activations are counted whole, as
+    the plan computes them, though XLA:GPU recomputes them cut too: the
+    `scales_cut` Llama-2-70B plan on 16x16 at 3 layers, the lower 2
+    rematerialized, recomputes their norm outputs as `[512, 8, 4096]` (the
+    hidden dim a sixteenth) and gathers whole `bfloat16` copies,
+    `[8, 4096, 8192]`, 512 MiB each, for the products that read them
+    (`tests/planner/test_drift_copies_gpu.py`); the whole count stands for
+    those copies. Counted cut, without the copies, the planner's 70B plan on
+    16x16 at 2, 4 and 8 layers fell from 0.94 to 0.80 of its compiled peak.
+    The zoo's subclassed model on 2x4 under 75 % of its free peak recomputes
+    its LayerNorm outputs cut (`[32, 4, 64]`) and gathers none, its
+    products contracting the cut dim (`benchmarks/tests/test_peak_buffers.py`):
+    there the whole count puts the estimate at 1.15 of the compiled peak
+    (1.07 counted cut, no other zoo row moving). Which products gather and
+    which contract cut is the partitioner's choice, not followed here.
 
     Args:
         graph: The model's axis graph.
