@@ -176,11 +176,14 @@ def held_as_partitioned(
     those copies. Counted cut, without the copies, the planner's 70B plan on
     16x16 at 2, 4 and 8 layers fell from 0.94 to 0.80 of its compiled peak.
     The zoo's subclassed model on 2x4 under 75 % of its free peak recomputes
-    its LayerNorm outputs cut (`[32, 4, 64]`) and gathers none, its
-    products contracting the cut dim (`benchmarks/tests/test_peak_buffers.py`):
-    there the whole count puts the estimate at 1.15 of the compiled peak
-    (1.07 counted cut, no other zoo row moving). Which products gather and
-    which contract cut is the partitioner's choice, not followed here.
+    its LayerNorm outputs cut (`[32, 4, 64]`) and gathers whole copies too,
+    but holds none at its peak, inside a block's backward pass: each
+    forward copy is freed after its product, and those for the weight
+    gradients are gathered after the peak
+    (`benchmarks/tests/test_peak_buffers.py`). There the whole count puts
+    the estimate at 1.15 of the compiled peak (1.07 counted cut, no other
+    zoo row moving). When the copies are held at the peak is XLA:GPU's
+    schedule, not followed here.
 
     Args:
         graph: The model's axis graph.
