@@ -33,7 +33,10 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-TARGET = "h100-80gb"
+# Imported first: it sets the environment for planning on the host (JAX,
+# the CPU platform) before anything imports Keras.
+from benchmarks.memory_truth_gpu import TARGET, selected_settings
+
 _PEAK_HEAD = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
 _PEAK_LINE = re.compile(r"^\s*(\S+?)(\{[0-9,]*\}): (\d+) bytes")
 _RANGE_LINE = re.compile(r"^\s*(\S+?)(\{[0-9,]*\}):(\d+)-(\d+)\s*$")
@@ -194,8 +197,6 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
 
 
 def _setting(model: str, mesh: str, policy: str):
-    from benchmarks.memory_truth_gpu import selected_settings
-
     for setting in selected_settings():
         shape = "x".join(map(str, setting.mesh_shape))
         if (setting.model, shape, setting.policy) == (model, mesh, policy):
