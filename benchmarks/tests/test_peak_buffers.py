@@ -69,7 +69,7 @@ def test_the_zoo_mlp_on_1x8_peaks_with_both_layers_weight_gradient_partials_live
     """The zoo MLP on 1x8, the row the estimate is farthest under (0.89 of
     its compiled peak in BENCHMARKS.md, "memory truth on XLA:GPU"), peaks
     in mlp_up's backward pass holding both layers' weight gradients in
-    split partials (16 x its 128 x 8 kernel shard in float32, 512 KiB
+    split partials (16 x a 128 x 64 kernel shard in float32, 512 KiB
     each): mlp_down's are made first and read by its update, which XLA:GPU
     runs after mlp_up's are made. The estimate holds one layer's at a time
     (`split_k.merged_split_gradient_bytes`)."""
