@@ -110,10 +110,10 @@ def test_a_rematerialized_layer_recomputes_its_norm_outputs_cut_where_scales_are
     )
     scales = [v.spec for v in result["plan"].variables if v.path.endswith("/gamma")]
     assert scales and all(spec == ("model",) for spec in scales)
-    assert set(result["plan"].rematerialize) == {
-        "self_attention_block",
-        "self_attention_block_1",
-    }
+    # Both blocks' calls (Keras numbers their names per process).
+    rematerialized = result["plan"].rematerialize
+    assert len(rematerialized) == 2
+    assert all(name.startswith("self_attention_block") for name in rematerialized)
     whole = "f32[4,64,128]"
     recomputed, gathered = set(), set()
     for computation in parse_computations(result["hlo_text"]):
