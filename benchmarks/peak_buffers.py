@@ -117,6 +117,49 @@ class PeakBuffers:
         return dict(totals.most_common())
 
 
+def dump_options(directory: str | pathlib.Path) -> dict[str, Any]:
+    """XLA compiler options that dump a program's optimized HLO and its
+    buffer live ranges into `directory` (`read_dump` reads them back)."""
+    return {"xla_dump_to": str(directory), "xla_dump_hlo_as_text": True}
+
+
+def read_dump(directory: str | pathlib.Path) -> tuple[str, str]:
+    """The train step's live-range dump and optimized HLO text that XLA:GPU
+    wrote into `directory` under `dump_options`."""
+    dump = pathlib.Path(directory)
+    (live,) = dump.glob("*train_step*gpu_after_optimizations-live-range.txt")
+    (hlo,) = dump.glob("*train_step*gpu_after_optimizations.txt")
+    return live.read_text(), hlo.read_text()
+
+
+def _op_name(instruction) -> str:
+    found = re.search(r'op_name="([^"]*)"', instruction.attributes)
+    return found.group(1).removeprefix("jit(train_step)/") if found else ""
+
+
+def shapes_made_by(hlo_text: str, op_name_part: str, opcode: str = "") -> set[str]:
+    """Array shapes (without layouts) of the entry computation's
+    instructions whose `op_name` contains `op_name_part`, of `opcode` only
+    where given: what a program makes for one op of the model.
+
+    Example:
+
+    ```python
+    shapes_made_by(hlo, "rematted_computation/dense", "all-gather-done")
+    ```
+    """
+    from keras_autoshard.report.hlo.text import parse_computations
+
+    return {
+        instruction.shape_text.split("{")[0]
+        for computation in parse_computations(hlo_text)
+        if computation.is_entry
+        for instruction in computation.instructions
+        if op_name_part in _op_name(instruction)
+        and (not opcode or instruction.opcode == opcode)
+    }
+
+
 def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     """Parse XLA's buffer live ranges (its `-live-range.txt` dump).
 
@@ -172,10 +215,7 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     buffers = []
     for key, size in sizes:
         instruction = instructions.get(key.split("{")[0])
-        op_name = ""
-        if instruction is not None:
-            found = re.search(r'op_name="([^"]*)"', instruction.attributes)
-            op_name = found.group(1).removeprefix("jit(train_step)/") if found else ""
+        op_name = _op_name(instruction) if instruction is not None else ""
         first, last = ranges.get(key, (-1, -1))
         buffers.append(
             PeakBuffer(
@@ -235,13 +275,10 @@ def zoo_peak_buffers(model: str, mesh: str, policy: str) -> dict[str, Any]:
             sharding_plan,
             (setting.x, targets),
             TARGET,
-            compiler_options={"xla_dump_to": directory, "xla_dump_hlo_as_text": True},
+            compiler_options=dump_options(directory),
         )
-        dump = pathlib.Path(directory)
-        (live,) = dump.glob("*train_step*gpu_after_optimizations-live-range.txt")
-        (hlo,) = dump.glob("*train_step*gpu_after_optimizations.txt")
-        hlo_text = hlo.read_text()
-        peak = read_peak_buffers(live.read_text(), hlo_text)
+        live_text, hlo_text = read_dump(directory)
+        peak = read_peak_buffers(live_text, hlo_text)
     return {
         "plan": sharding_plan,
         "compiled_peak": result.compiled_peak_bytes,

@@ -102,8 +102,7 @@ def test_a_rematerialized_layer_recomputes_its_norm_outputs_cut_where_scales_are
     after its product, and those for the weight gradients are gathered
     after the peak. The estimate counts the recomputed outputs whole, which
     puts this row at 1.15 of its compiled peak."""
-    from benchmarks.peak_buffers import zoo_peak_buffers
-    from keras_autoshard.report.hlo.text import parse_computations
+    from benchmarks.peak_buffers import shapes_made_by, zoo_peak_buffers
 
     result = zoo_peak_buffers(
         "subclassed", "2x4", "float32, budget 75% of the free peak"
@@ -115,16 +114,9 @@ def test_a_rematerialized_layer_recomputes_its_norm_outputs_cut_where_scales_are
     assert len(rematerialized) == 2
     assert all(name.startswith("self_attention_block") for name in rematerialized)
     whole = "f32[4,64,128]"
-    recomputed, gathered = set(), set()
-    for computation in parse_computations(result["hlo_text"]):
-        for instruction in computation.instructions if computation.is_entry else ():
-            shape = instruction.shape_text.split("{")[0]
-            if "rematted_computation/layer_normalization" in instruction.attributes:
-                recomputed.add(shape)
-            if instruction.opcode == "all-gather-done" and (
-                "rematted_computation/dense" in instruction.attributes
-            ):
-                gathered.add(shape)
+    hlo_text = result["hlo_text"]
+    recomputed = shapes_made_by(hlo_text, "rematted_computation/layer_normalization")
+    gathered = shapes_made_by(hlo_text, "rematted_computation/dense", "all-gather-done")
     assert "f32[32,4,64]" in recomputed and whole not in recomputed
     assert whole in gathered
     at_peak = {

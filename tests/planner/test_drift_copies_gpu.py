@@ -31,6 +31,7 @@ import pathlib
 
 import pytest
 
+from benchmarks.peak_buffers import dump_options, read_dump, shapes_made_by
 from keras_autoshard import ShardingPlan
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.building import build_abstract
@@ -77,7 +78,7 @@ def test_the_estimate_follows_what_xla_gpu_holds_cut_and_gathers(
     )
     assert not differences
     shallow = dataclasses.replace(shallow, estimate=estimate)
-    dump = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_as_text": True}
+    dump = dump_options(tmp_path)
     compiled = compile_for_target(
         builder,
         shallow,
@@ -99,19 +100,13 @@ def _assert_recomputed_cut_and_gathered(dump):
     `bfloat16` copies for the products that read them: the estimate counts
     the recomputed outputs whole, which stands for those copies
     (`stream_drift.held_as_partitioned`)."""
-    from keras_autoshard.report.hlo.text import parse_computations
-
-    (hlo,) = dump.glob("*train_step*gpu_after_optimizations.txt")
-    recomputed, gathered = set(), set()
-    for computation in parse_computations(hlo.read_text()):
-        for instruction in computation.instructions if computation.is_entry else ():
-            if "rematted_computation/feedforward_layernorm" in instruction.attributes:
-                recomputed.add(instruction.shape_text.split("{")[0])
-            if instruction.opcode == "all-gather-done" and (
-                "checkpoint/rematted_computation/feedforward_gate_dense"
-                in instruction.attributes
-            ):
-                gathered.add(instruction.shape_text.split("{")[0])
+    _, hlo_text = read_dump(dump)
+    recomputed = shapes_made_by(hlo_text, "rematted_computation/feedforward_layernorm")
+    gathered = shapes_made_by(
+        hlo_text,
+        "checkpoint/rematted_computation/feedforward_gate_dense",
+        "all-gather-done",
+    )
     assert "bf16[512,8,4096]" in recomputed
     assert "bf16[8,4096,8192]" not in recomputed
     assert "bf16[8,4096,8192]" in gathered
