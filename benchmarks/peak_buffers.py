@@ -160,6 +160,35 @@ def shapes_made_by(hlo_text: str, op_name_part: str, opcode: str = "") -> set[st
     }
 
 
+def reader_op_names(hlo_text: str, instruction_name: str) -> list[str]:
+    """The `op_name`s of the entry computation's instructions that read
+    `instruction_name` (a `PeakBuffer.name` with or without its tuple
+    index): which part of the step consumes a buffer.
+
+    Example:
+
+    ```python
+    reader_op_names(hlo, "gemm_fusion_dot.22{}")  # ["adam/sub"]
+    ```
+    """
+    from keras_autoshard.report.hlo.text import (
+        operand_names_and_shapes,
+        parse_computations,
+    )
+
+    name = instruction_name.split("{")[0]
+    return [
+        _op_name(instruction)
+        for computation in parse_computations(hlo_text)
+        if computation.is_entry
+        for instruction in computation.instructions
+        if any(
+            operand == name
+            for operand, _ in operand_names_and_shapes(instruction.operands_text)
+        )
+    ]
+
+
 def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     """Parse XLA's buffer live ranges (its `-live-range.txt` dump).
 
