@@ -132,6 +132,26 @@ def read_dump(directory: str | pathlib.Path) -> tuple[str, str]:
     return live.read_text(), hlo.read_text()
 
 
+def _entry_instructions(hlo_text: str) -> list:
+    """The instructions of a program's entry computation, in order."""
+    from keras_autoshard.report.hlo.text import parse_computations
+
+    return [
+        instruction
+        for computation in parse_computations(hlo_text)
+        if computation.is_entry
+        for instruction in computation.instructions
+    ]
+
+
+def read_by_the_update(hlo_text: str, instruction_name: str) -> bool:
+    """Whether the optimizer's update alone reads the buffer
+    `instruction_name` (`reader_op_names`: the `adam` name scope, numbered
+    where a process made several optimizers)."""
+    readers = reader_op_names(hlo_text, instruction_name)
+    return bool(readers) and all(re.match(r"adam(_\d+)?/", r) for r in readers)
+
+
 def _op_name(instruction) -> str:
     found = re.search(r'op_name="([^"]*)"', instruction.attributes)
     return found.group(1).removeprefix("jit(train_step)/") if found else ""
@@ -148,13 +168,9 @@ def shapes_made_by(hlo_text: str, op_name_part: str, opcode: str = "") -> set[st
     shapes_made_by(hlo, "rematted_computation/dense", "all-gather-done")
     ```
     """
-    from keras_autoshard.report.hlo.text import parse_computations
-
     return {
         instruction.shape_text.split("{")[0]
-        for computation in parse_computations(hlo_text)
-        if computation.is_entry
-        for instruction in computation.instructions
+        for instruction in _entry_instructions(hlo_text)
         if op_name_part in _op_name(instruction)
         and (not opcode or instruction.opcode == opcode)
     }
@@ -171,17 +187,12 @@ def reader_op_names(hlo_text: str, instruction_name: str) -> list[str]:
     reader_op_names(hlo, "gemm_fusion_dot.22{}")  # ["adam/sub"]
     ```
     """
-    from keras_autoshard.report.hlo.text import (
-        operand_names_and_shapes,
-        parse_computations,
-    )
+    from keras_autoshard.report.hlo.text import operand_names_and_shapes
 
     name = instruction_name.split("{")[0]
     return [
         _op_name(instruction)
-        for computation in parse_computations(hlo_text)
-        if computation.is_entry
-        for instruction in computation.instructions
+        for instruction in _entry_instructions(hlo_text)
         if any(
             operand == name
             for operand, _ in operand_names_and_shapes(instruction.operands_text)
@@ -211,8 +222,6 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     peak.by_part()  # {"backward": ..., "parameters": ..., ...}
     ```
     """
-    from keras_autoshard.report.hlo.text import parse_computations
-
     lines = live_range_text.splitlines()
     length = re.search(r"HloLiveRange \(max (\d+)\)", live_range_text)
     ranges: dict[str, tuple[int, int]] = {}
@@ -236,10 +245,7 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     if position is None:
         raise ValueError("The live-range text has no 'Live ranges at N (peak)'.")
     instructions = {
-        instruction.name: instruction
-        for computation in parse_computations(hlo_text)
-        if computation.is_entry
-        for instruction in computation.instructions
+        instruction.name: instruction for instruction in _entry_instructions(hlo_text)
     }
     buffers = []
     for key, size in sizes:

@@ -293,7 +293,7 @@ def _local_size(tensor, assignment: Assignment, sizes, dims) -> float:
 
 
 # Operand kinds a product's split partials are counted for.
-_FED = ("activation", "input")
+_PRODUCT_OPERAND_KINDS = ("activation", "input")
 # (output, activation operand, M, K, N) of one product on one device.
 ProductDims = tuple[int, int, float, float, float]
 
@@ -323,9 +323,10 @@ def activation_products(
     contracted = graph.product_contractions
     found = []
     for out, lhs, rhs, lhs_free in graph.products:
-        read = lhs if graph.tensors[lhs].kind in _FED else rhs
+        kinds = _PRODUCT_OPERAND_KINDS
+        read = lhs if graph.tensors[lhs].kind in kinds else rhs
         output = graph.tensors[out]
-        if graph.tensors[read].kind not in _FED or out not in contracted:
+        if graph.tensors[read].kind not in kinds or out not in contracted:
             continue
         rank = len(output.shape)
         dims = range(lhs_free) if read == lhs else range(lhs_free, rank)

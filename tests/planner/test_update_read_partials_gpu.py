@@ -11,8 +11,6 @@ tokens, 128 -> 512 -> 128 -> 16), compiled deviceless for 8 H100s.
   (`split_k.activation_products`).
 """
 
-import re
-
 import jax
 import keras
 import numpy as np
@@ -21,9 +19,9 @@ import pytest
 import keras_autoshard as ka
 from benchmarks.peak_buffers import (
     dump_options,
+    read_by_the_update,
     read_dump,
     read_peak_buffers,
-    reader_op_names,
 )
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
@@ -89,13 +87,6 @@ def update_read_partials(peak, hlo_text: str) -> dict:
         and b.size_bytes == PARTIALS_BYTES
         and read_by_the_update(hlo_text, b.name)
     }
-
-
-def read_by_the_update(hlo_text: str, name: str) -> bool:
-    """Whether the optimizer's update alone reads the buffer `name` (its
-    name scope is `adam`, numbered where a process made several)."""
-    readers = reader_op_names(hlo_text, name)
-    return bool(readers) and all(re.match(r"adam(_\d+)?/", r) for r in readers)
 
 
 def test_only_the_lowest_two_layers_partials_are_held_together():
