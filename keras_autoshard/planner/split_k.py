@@ -321,9 +321,9 @@ def activation_products(
         One entry per product, in `AxisGraph.products` order.
     """
     contracted = graph.product_contractions
+    kinds = _PRODUCT_OPERAND_KINDS
     found = []
     for out, lhs, rhs, lhs_free in graph.products:
-        kinds = _PRODUCT_OPERAND_KINDS
         read = lhs if graph.tensors[lhs].kind in kinds else rhs
         output = graph.tensors[out]
         if graph.tensors[read].kind not in kinds or out not in contracted:

@@ -45,14 +45,35 @@ def mlp(blocks: int = 1, activation: str = "relu"):
     return build
 
 
-def planned_and_compiled(build, mesh, compiler_options=None):
+def planned_and_compiled(build, mesh, compiler_options=None, **plan_options):
+    """(plan, compiled peak bytes) of `build`'s train step planned for 8
+    H100s with `plan_options` and compiled deviceless."""
     x = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
     y = jax.ShapeDtypeStruct((BATCH, TOKENS, OUT), np.float32)
-    plan = ka.plan(build, mesh, x, hardware="h100-80gb")
+    plan = ka.plan(build, mesh, x, hardware="h100-80gb", **plan_options)
     memory = compile_for_target(
         build, plan, (x, y), "h100-80gb", compiler_options=compiler_options
     ).step.memory
     return plan, compiled_peak_bytes(memory)
+
+
+def peak_of_dumped(build, mesh, dump_dir, **plan_options):
+    """(plan, compiled peak bytes, buffers at the peak, optimized HLO text),
+    the program compiled with XLA's dump into `dump_dir`."""
+    plan, compiled = planned_and_compiled(
+        build, mesh, dump_options(dump_dir), **plan_options
+    )
+    live, hlo = read_dump(dump_dir)
+    return plan, compiled, read_peak_buffers(live, hlo), hlo
+
+
+def split_partials(peak) -> list:
+    """The buffers live at `peak` of one kernel gradient's split partials."""
+    return [
+        b
+        for b in peak.buffers
+        if b.part == "backward" and b.size_bytes == PARTIALS_BYTES
+    ]
 
 
 def test_the_lowest_layers_update_read_partials_are_held_together(tmp_path):
@@ -62,9 +83,7 @@ def test_the_lowest_layers_update_read_partials_are_held_together(tmp_path):
     and both products run before either update. Counting one layer's at a
     time put it at 0.79 of its compiled peak (1.66 against 2.10 MiB); both
     are counted now (0.98)."""
-    plan, compiled = planned_and_compiled(mlp(), ONE_BY_EIGHT, dump_options(tmp_path))
-    live, hlo = read_dump(tmp_path)
-    peak = read_peak_buffers(live, hlo)
+    plan, compiled, peak, hlo = peak_of_dumped(mlp(), ONE_BY_EIGHT, tmp_path)
     partials = update_read_partials(peak, hlo)
     assert sorted(partials) == ["down_0", "up_0"], peak.buffers[:6]
     first, second = sorted(partials.values(), key=lambda b: b.first)
@@ -81,11 +100,7 @@ def update_read_partials(peak, hlo_text: str) -> dict:
     """Layer -> the split kernel-gradient partials live at `peak` that the
     optimizer's update reads."""
     return {
-        b.layer: b
-        for b in peak.buffers
-        if b.part == "backward"
-        and b.size_bytes == PARTIALS_BYTES
-        and read_by_the_update(hlo_text, b.name)
+        b.layer: b for b in split_partials(peak) if read_by_the_update(hlo_text, b.name)
     }
 
 
@@ -111,23 +126,10 @@ def test_rematerialized_layers_sum_their_partials_before_the_update(tmp_path):
     GPT-2 from 1.01). With `up_0` and `down_0` rematerialized, the
     program's peak holds one set of partials, summed apart from the
     update."""
-    x = jax.ShapeDtypeStruct((BATCH, TOKENS, WIDTH), np.float32)
-    y = jax.ShapeDtypeStruct((BATCH, TOKENS, OUT), np.float32)
-    build = mlp()
-    plan = ka.plan(
-        build, ONE_BY_EIGHT, x, hardware="h100-80gb", rematerialize=["up_0", "down_0"]
+    _, _, peak, hlo = peak_of_dumped(
+        mlp(), ONE_BY_EIGHT, tmp_path, rematerialize=["up_0", "down_0"]
     )
-    compile_for_target(
-        build, plan, (x, y), "h100-80gb", compiler_options=dump_options(tmp_path)
-    )
-    live, hlo = read_dump(tmp_path)
-    peak = read_peak_buffers(live, hlo)
-    held = [
-        b
-        for b in peak.buffers
-        if b.part == "backward" and b.size_bytes == PARTIALS_BYTES
-    ]
-    assert len(held) == 1, peak.buffers[:6]
+    assert len(split_partials(peak)) == 1, peak.buffers[:6]
     assert update_read_partials(peak, hlo) == {}
 
 
