@@ -56,10 +56,13 @@ def accelerator_peak(
     optimizer to all gradients at once), so every finished gradient is held
     to the end. A stage holds: every kept activation some layer not yet
     differentiated reads (a rematerialized layer keeps only its input), the
-    current layer's own residuals (made again when it is rematerialized;
-    a split product's partials where XLA:GPU keeps them in its output's
-    place, `split_k.kept_partials_factors`; gathered copies of what a
-    storage cut's drift holds cut, `stream_drift.gathered_by_stage`), the
+    current layer's own residuals (made again when it is rematerialized,
+    held cut where a storage cut's drift reaches them as it does the kept
+    ones, `stream_drift.held_as_partitioned`; a split product's partials
+    where XLA:GPU keeps them in its output's place,
+    `split_k.kept_partials_factors`; gathered copies of what the drift
+    holds cut, `stream_drift.gathered_by_stage`, a rematerialized layer's
+    those held where its largest activation's gradient is formed), the
     gradients of every parameter read by it or a layer above (in its
     cast's precision where the batch reduces, `AxisGraph.narrowed_params`),
     and a workspace: the larger of two. One is the gradient being formed,
@@ -143,14 +146,14 @@ def accelerator_peak(
     calls = layer_calls(graph)
     position = {layer: i for i, layer in enumerate(calls)}
     kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
-    held = held_as_partitioned(graph, assignment, sizes, kept)
-    gathered = gathered_by_stage(graph, assignment, held, sizes, remat, kept)
-    assignment = held
+    recomputed = frozenset(tid for stage in stages for tid, _ in stage.own)
+    planned = assignment
+    assignment = held_as_partitioned(graph, planned, sizes, kept | recomputed)
 
     # Products whose split partial results are kept in their output's place,
     # and activations whose gradient a product makes in split partials.
     whole = dataclasses.replace(assignment, fsdp={})
-    residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
+    residuals = kept | recomputed
     products = activation_products(graph, whole, sizes)
     partials_kept = kept_partials_factors(graph, products, residuals)
     for tid, factor in norm_read_partials_factors(
@@ -179,6 +182,7 @@ def accelerator_peak(
     batch_classes = batch_carrying_classes(graph)
     loss_made = loss_made_tensors(graph)
     largest = [0.0] * len(stages)
+    largest_of: dict[int, int] = {}  # stage -> the tensor its largest is for
     formed = [0.0] * len(stages)  # gradients made in partials for a layer below
     for tensor in graph.tensors:
         if tensor.kind != "activation" or tensor.id in loss_made:
@@ -210,7 +214,7 @@ def accelerator_peak(
         if reader != stage:
             formed[reader] = max(formed[reader], size * buffers)
             buffers = 1
-        largest[stage] = max(largest[stage], size * buffers)
+        _grow(largest, largest_of, stage, size * buffers, tensor.id)
     # The backward pass of a precision cast reads the cast's gradient and
     # writes its source's, buffers of two sizes live at once (Llama-2-70B
     # widths on 32x8: the bfloat16 attention probabilities' gradient, 2 GiB,
@@ -222,7 +226,7 @@ def accelerator_peak(
         pair = sum(
             local_bytes(graph.tensors[t], assignment, sizes) for t in (cast, source)
         )
-        largest[stage] = max(largest[stage], pair * part)
+        _grow(largest, largest_of, stage, pair * part, cast)
     # A max pooling's backward pass reads its output's gradient and the
     # positions of each window's maximum (one int32 array of the output's
     # shape per operand dim, made late: `graph/fusion._pooling_indices`)
@@ -235,7 +239,7 @@ def accelerator_peak(
         positions = pooled_bytes / pooled.itemsize * 4 * len(operand.shape)
         scatter = local_bytes(operand, assignment, sizes)
         scattering = (scatter + pooled_bytes + positions) * part
-        largest[stage] = max(largest[stage], scattering)
+        _grow(largest, largest_of, stage, scattering, output)
     # The loss's gradient of an output a product makes (a head), which the
     # loss writes in float32 and the head's backward pass reads into both
     # its input's and its weight's gradient products, is live through that
@@ -305,6 +309,10 @@ def accelerator_peak(
     one_device = math.prod(sizes.values()) == 1
     copies = accumulated_bytes if one_device else 0.0
     pending_update = _update_read_partials(update_read)
+    peak_tensors = {calls[i]: tid for i, tid in largest_of.items() if i < len(calls)}
+    gathered = gathered_by_stage(
+        graph, planned, assignment, sizes, remat, kept, recomputed, peak_tensors
+    )
     best = (-1.0, 0.0, 0.0, 0.0)
     alive = 0.0  # what the stages up to this one still read
     for i, stage in enumerate(stages):
@@ -329,6 +337,15 @@ def accelerator_peak(
         update = updated_bytes + min(all_reduced, COMBINE_THRESHOLD_BYTES)
         best = max(best, (made_above[0] + update, 0.0, made_above[0], update))
     return best[1], best[2], best[3]
+
+
+def _grow(
+    largest: list[float], largest_of: dict[int, int], stage: int, size: float, tid: int
+) -> None:
+    """Raise `largest[stage]` to `size`, noting `tid` where it grows."""
+    if size > largest[stage]:
+        largest[stage] = size
+        largest_of[stage] = tid
 
 
 def _update_read_partials(update_read: list[float]) -> list[float]:

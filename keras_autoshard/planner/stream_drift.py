@@ -137,7 +137,7 @@ def held_as_partitioned(
     graph: AxisGraph,
     assignment: Assignment,
     sizes: Mapping[str, int],
-    kept: frozenset[int] = frozenset(),
+    reached: frozenset[int] = frozenset(),
 ) -> Assignment:
     """The sharding XLA's partitioner gives the activations once it has
     propagated the storage cuts it does not gather (`stream_drift`,
@@ -157,7 +157,7 @@ def held_as_partitioned(
     computes whole, over an axis that cuts no token dim, carries its cut
     too (`kernel_drift`), and into more than the stream: into every
     activation the backward pass keeps of a layer that is not
-    rematerialized (`kept`). Read off the same 16x16
+    rematerialized (`reached`). Read off the same 16x16
     program at 8 layers, the lower 4 rematerialized: XLA holds the upper
     layers' kept activations of the hidden class cut over `model`. A norm
     scale's cut reaches them too (at 11 layers, the lower 2
@@ -166,32 +166,23 @@ def held_as_partitioned(
     estimate over compiled 1.19); where a product the plan computes whole
     over that axis reads one, its gathered copy is kept as well
     (`gathered_by_stage`).
-    A rematerialized layer's recomputed activations are counted whole, as
-    the plan computes them, though XLA:GPU recomputes them cut too: the
-    `scales_cut` Llama-2-70B plan on 16x16 at 3 layers, the lower 2
-    rematerialized, recomputes their norm outputs as `[512, 8, 4096]` (the
-    hidden dim a sixteenth) and gathers whole `bfloat16` copies,
-    `[8, 4096, 8192]`, 512 MiB each, for the products that read them
-    (`tests/planner/test_drift_copies_gpu.py`); the whole count stands for
-    those copies. Counted cut, without the copies, the planner's 70B plan on
-    16x16 at 2, 4 and 8 layers fell from 0.94 to 0.80 of its compiled peak.
-    The zoo's subclassed model on 2x4 under 75 % of its free peak recomputes
-    its LayerNorm outputs cut (`[32, 4, 64]`) and gathers whole copies too,
-    but holds none at its peak, inside a block's backward pass: each
-    forward copy is freed after its product, and those for the weight
-    gradients are gathered after the peak
-    (`benchmarks/tests/test_peak_buffers.py`). There the whole count puts
-    the estimate at 1.15 of the compiled peak (1.07 counted cut, no other
-    zoo row moving). When the copies are held at the peak is XLA:GPU's
-    schedule, not followed here.
+    The activations a rematerialized layer recomputes are held cut too
+    (`reached`): the `scales_cut` Llama-2-70B plan on 16x16 at 3 layers,
+    the lower 2 rematerialized, recomputes their norm outputs as
+    `[512, 8, 4096]` (the hidden dim a sixteenth) and the zoo's subclassed
+    model on 2x4 under 75 % of its free peak its LayerNorm outputs as
+    `[32, 4, 64]` (`tests/planner/test_drift_copies_gpu.py`,
+    `benchmarks/tests/test_peak_buffers.py`). Both gather whole copies
+    for the products that read them; which of those copies are live at a
+    rematerialized layer's peak is `gathered_by_stage`'s.
 
     Args:
         graph: The model's axis graph.
         assignment: The candidate sharding.
         sizes: Mesh axis name -> size.
-        kept: Ids of the activations kept from the forward pass to the
-            backward pass (not recomputed), which a storage cut's drift
-            reaches.
+        reached: Ids of the activations a storage cut's drift reaches
+            beside the layers' inputs: those kept from the forward pass to
+            the backward pass and those rematerialized layers recompute.
 
     Returns:
         `assignment` with those activations' cuts added.
@@ -201,7 +192,7 @@ def held_as_partitioned(
     cuts.update(merged_group_cuts(graph, assignment, sizes))
     if not drifted:
         return dataclasses.replace(assignment, activation_cuts=cuts)
-    reached = kept.union(t for _, ids in graph.layer_inputs for t in ids)
+    reached = reached.union(t for _, ids in graph.layer_inputs for t in ids)
     for tensor in graph.tensors:
         if tensor.id not in reached:
             continue
@@ -226,6 +217,8 @@ def gathered_by_stage(
     sizes: Mapping[str, int],
     remat: frozenset[str],
     kept: frozenset[int],
+    recomputed: frozenset[int] = frozenset(),
+    peak_tensors: Mapping[str, int] | None = None,
 ) -> list[float]:
     """Gathered copies of activations held cut that a device holds at each
     stage of the backward pass (`remat.accelerator_stages` order).
@@ -257,14 +250,43 @@ def gathered_by_stage(
     peak; the estimate was 0.75 of it at 3 layers); at 11 layers, where the
     top layer's backward pass peaks, the forward copies.
 
+    A rematerialized layer recomputes its activations held cut as well
+    (`recomputed`) and gathers the same copies, from its recomputation
+    (the forward copies) or its own backward pass (the others), and forms
+    its weight gradients at the end of that backward pass, inside its
+    optimization barrier: they are held at its own stage only. Its peak is
+    where the gradient of its largest activation is formed
+    (`peak_tensors`); the copies for products that read only later
+    activations, whose backward passes ran before it, are held there, the
+    others are not yet gathered or already freed. Read off XLA:GPU's
+    programs: the `scales_cut` Llama-2-70B plan on 16x16 at 3 layers, the
+    lower 2 rematerialized, peaks in the lowest layer's attention, holding
+    copies of the feed-forward norm's output and of the feed-forward and
+    attention outputs' gradients, and of the attention norm's output for
+    the grouped key and value products (its recomputation's), 512 MiB
+    each; the estimate was 0.92 of that peak with the recomputed norm
+    outputs counted whole and no copy, 0.84 counted cut, 0.95 with the
+    copies. The zoo's subclassed model on 2x4 under 75 % of its free peak
+    peaks in its feed-forward products' gradients, its last: each forward
+    copy is freed after its product and those for the weight gradients
+    are gathered after the peak (`benchmarks/tests/test_peak_buffers.py`;
+    1.15 of the compiled peak counted whole, 1.07 cut). Not followed: a
+    peak elsewhere in the layer than at its largest activation's gradient.
+
     Args:
         graph: The model's axis graph.
         assignment: The candidate sharding, as the plan computes it.
-        held: The same as XLA holds it (`held_as_partitioned` of `kept`).
+        held: The same as XLA holds it (`held_as_partitioned` of `kept`
+            and `recomputed`).
         sizes: Mesh axis name -> size.
         remat: Names of the rematerialized layer calls.
         kept: Ids of the activations kept from the forward pass to the
             backward pass.
+        recomputed: Ids of the activations the rematerialized layers make
+            again in their backward passes.
+        peak_tensors: Rematerialized layer name -> the id of the activation
+            whose gradient's buffers are its stage's largest (absent: every
+            copy of the layer counted).
 
     Returns:
         Bytes per device at each stage (one entry per stage).
@@ -277,8 +299,10 @@ def gathered_by_stage(
     position = {layer: i for i, layer in enumerate(order)}
     params = {t.id for t in graph.tensors if t.kind == "param"}
     params.update(cast for cast, _ in graph.param_casts)
+    peak_tensors = peak_tensors or {}
     forward = 0.0
     late = [0.0] * (len(order) + 1)
+    own = [0.0] * (len(order) + 1)  # a rematerialized layer's, at its stage
     counted: set[tuple[str, int, str]] = set()
 
     def add(layer: str, tid: int, copy: str) -> None:
@@ -287,33 +311,42 @@ def gathered_by_stage(
             return
         counted.add((layer, tid, copy))
         size = local_bytes(graph.tensors[tid], assignment, sizes)
-        if copy == "forward":
+        if layer in remat:
+            own[position.get(layer, len(order))] += size
+        elif copy == "forward":
             forward += size
         else:
             late[position.get(layer, len(order))] += size
 
     for out, lhs, rhs, _ in graph.products:
         layer = graph.tensor_layers[out]
-        if layer in remat or not {lhs, rhs} & params:
+        if not {lhs, rhs} & params:
             continue
+        operands = {lhs, rhs} - params
+        made = recomputed if layer in remat else kept
+        # Its backward pass ran before the layer's peak: it reads only
+        # activations made after the one whose gradient peaks there.
+        peak = peak_tensors.get(layer)
+        done = layer not in remat or peak is None or min(operands) > peak
         out_axes = _names(tensor_axes(graph.tensors[out], assignment))
-        for operand in {lhs, rhs} - params:
+        for operand in operands:
             axes = _names(a for _, a in held.activation_cuts.get(operand, ()))
             cut = axes - _names(tensor_axes(graph.tensors[operand], assignment))
-            if operand not in kept or not cut:
+            if operand not in made or not cut:
                 continue
             classes = graph.tensors[operand].dim_classes
             if cut & out_axes:
-                add(layer, operand, "backward")
+                if done:
+                    add(layer, operand, "backward")
             elif _names(streamed.get(c) for c in classes) & cut:
                 add(layer, operand, "forward")
         classes = graph.tensors[out].dim_classes
-        if _names(drifted[c] for c in classes if c in drifted) - out_axes:
+        if done and _names(drifted[c] for c in classes if c in drifted) - out_axes:
             add(layer, out, "gradient")
     stages = []
     running = forward
     for i in reversed(range(len(late))):  # a layer's own from the one below
-        stages.append(running)
+        stages.append(running + own[i])
         running += late[i]
     return stages[::-1]
 

@@ -69,6 +69,17 @@ def compiled(small_gpu, planned):
     return compile_for_target(build_mlp, planned, (SAMPLE, SAMPLE), small_gpu)
 
 
+# What `HloRematerialization` recomputes when it finds no value to: a
+# device's partition id (`test_a_plan_stays_under_xla_gpus_limit_...`).
+PARTITION_ID = "u32[] partition-id"
+
+
+def _recomputed(hlo_text: str) -> list[str]:
+    """`"<shape> <opcode>"` of each instruction XLA:GPU recomputed by itself
+    (`%name.remat = shape opcode(...)` in the optimized HLO)."""
+    return re.findall(r"%\S+\.remat\d* = (.*?)\(", hlo_text)
+
+
 def test_the_limit_is_xla_gpus_formula_on_the_description_s_memory(small_gpu, planned):
     """The limit is read off the target description (what XLA:GPU reads),
     and it is under what the budget's headroom alone would let plans fill:
@@ -86,12 +97,24 @@ def test_a_plan_stays_under_xla_gpus_limit_and_xla_recomputes_nothing(
     planned, compiled
 ):
     """The plan's levers bring its peak under XLA:GPU's limit, and XLA:GPU
-    then recomputes nothing by itself (no `.remat` instruction in the
-    optimized HLO); the compiled program fits the budget."""
+    then recomputes no value of the step by itself (every `.remat`
+    instruction of the optimized HLO is a device's partition id, a 4-byte
+    scalar); the compiled program fits the budget.
+
+    XLA:GPU's `HloRematerialization` measures the program before its last
+    passes, above what the compiled program holds: for this plan (every
+    layer rematerialized, its stored cuts drifting into the stream) 596 MiB
+    of temporaries against its limit of 519 MiB, where the compiled
+    program holds 434 MiB (its peak 738 MiB, estimated 702 MiB). Finding
+    no value to recompute, it recomputes the partition id. The plan made
+    before recomputed activations were counted cut as XLA holds them
+    (6 layers rematerialized, 2 micro-batches; compiled peak 785 MiB) was
+    over that measure too (657 against 645 MiB), and recomputed nothing."""
     estimate = planned.estimate
     assert estimate.fits and estimate.peak_bytes <= estimate.compiler_limit_bytes
     assert planned.rematerialize, "the model does not reach the limit"
-    assert ".remat" not in compiled.step.hlo_text
+    recomputed = _recomputed(compiled.step.hlo_text)
+    assert set(recomputed) <= {PARTITION_ID}, recomputed
     assert compiled.compiled_peak_bytes <= DEVICE_MEMORY
 
 
@@ -101,7 +124,7 @@ def test_the_same_sharding_without_its_levers_is_recomputed_by_xla(small_gpu, pl
     it would not be the program its estimate and step time describe."""
     bare = dataclasses.replace(planned, rematerialize=(), gradient_accumulation_steps=1)
     result = compile_for_target(build_mlp, bare, (SAMPLE, SAMPLE), small_gpu)
-    assert ".remat" in result.step.hlo_text
+    assert set(_recomputed(result.step.hlo_text)) - {PARTITION_ID}
 
 
 def test_the_step_is_given_what_the_estimate_counts_as_its_arguments(planned, compiled):

@@ -11,7 +11,9 @@ layers (`data/`):
   them the forward pass's gathered norm outputs
   (`stream_drift.gathered_by_stage`). The estimate was 0.75 and 1.17 of the
   peaks at 3 and 7 layers before both were followed (0.92 and 1.00 with
-  them).
+  them). Its rematerialized layers recompute their norm outputs cut too
+  and peak holding gathered copies inside their own backward passes: 0.95
+  and 1.00 with those followed.
 - `kernels_cut` stores the key kernels cut over `model` on their hidden
   dim (the norm scales whole), and here the value kernels as the keys (the
   planner stored them `(None, None, 'batch')`, which a pinned estimate
@@ -98,8 +100,8 @@ def _assert_recomputed_cut_and_gathered(dump):
     `model` as the kept ones are held (the hidden dim, 8192, a sixteenth:
     `[512, 8, 4096]` for a device's 8 x 4096 tokens) and gather whole
     `bfloat16` copies for the products that read them: the estimate counts
-    the recomputed outputs whole, which stands for those copies
-    (`stream_drift.held_as_partitioned`)."""
+    the recomputed outputs cut (`stream_drift.held_as_partitioned`) and
+    the copies held at the layer's peak (`stream_drift.gathered_by_stage`)."""
     _, hlo_text = read_dump(dump)
     recomputed = shapes_made_by(hlo_text, "rematted_computation/feedforward_layernorm")
     gathered = shapes_made_by(

@@ -137,14 +137,16 @@ def test_a_kernel_cut_for_storage_on_a_whole_class_cuts_the_stream():
     assert held_as_partitioned(graph, fsdp_over_tokens, SIZES) == fsdp_over_tokens
 
 
-def test_a_kernel_cut_reaches_what_the_backward_pass_keeps_not_what_it_recomputes():
-    """Beyond the stream, a kernel's storage cut reaches every activation
-    kept from the forward pass to the backward pass (`kept`), not one a
-    rematerialized layer makes again. Read off XLA:GPU's Llama-2-70B widths
-    on 16x16 at 4 layers, none rematerialized: the layers' kept activations
-    of the hidden class are held cut over `model`. Drifting every
-    activation instead put the 8-layer, all-rematerialized program at 0.79
-    of its compiled peak."""
+def test_a_kernel_cut_reaches_only_the_activations_it_is_given_beyond_the_stream():
+    """Beyond the stream, a kernel's storage cut reaches the activations
+    `held_as_partitioned` is given (`reached`: those kept from the forward
+    pass to the backward pass, and those rematerialized layers make again,
+    `accelerator_peak`), not the others a layer makes inside its call.
+    Read off XLA:GPU's Llama-2-70B widths on 16x16 at 4 layers, none
+    rematerialized: the layers' kept activations of the hidden class are
+    held cut over `model`; at 3 layers, the lower 2 rematerialized, so are
+    their recomputed norm outputs (`[512, 8, 4096]`,
+    `tests/planner/test_drift_copies_gpu.py`)."""
     graph = _graph()
     hidden = _hidden_class(graph)
     between = _layer_input_ids(graph)
@@ -153,14 +155,15 @@ def test_a_kernel_cut_reaches_what_the_backward_pass_keeps_not_what_it_recompute
         for t in graph.tensors
         if t.kind == "activation" and hidden in t.dim_classes and t.id not in between
     ]
-    kept, recomputed = frozenset(inside[:1]), inside[1:]
-    assert recomputed
+    reached, others = frozenset(inside[:1]), inside[1:]
+    assert others
     fsdp = {"block_0/up": ((0, "model"),)}
-    held = held_as_partitioned(graph, Assignment(class_axis={}, fsdp=fsdp), SIZES, kept)
-    (tensor_id,) = kept
+    assignment = Assignment(class_axis={}, fsdp=fsdp)
+    held = held_as_partitioned(graph, assignment, SIZES, reached)
+    (tensor_id,) = reached
     tensor = graph.tensors[tensor_id]
     assert local_bytes(tensor, held, SIZES) == tensor.nbytes / SIZES["model"]
-    assert not any(t in held.activation_cuts for t in recomputed)
+    assert not any(t in held.activation_cuts for t in others)
 
 
 QUERY_HEADS, KEY_VALUE_HEADS, HEAD_DIM, TOKENS = 8, 2, 16, 32
@@ -247,11 +250,23 @@ def test_a_scale_cut_reaches_what_the_backward_pass_keeps():
     assert normed not in held_as_partitioned(graph, assignment, SIZES).activation_cuts
 
 
-def _gathered(graph, assignment, remat, kept):
+def _relu_output(graph, block):
+    """The ReLU output `block`'s `down` reads: its largest activation."""
+    ((_, relu),) = _products_reading(graph, f"{block}/down")
+    return relu
+
+
+def _gathered(graph, assignment, remat, kept, recomputed=frozenset(), peaks=None):
+    """`gathered_by_stage`, each rematerialized block peaking at its ReLU
+    output's gradient (its largest activation's), unless `peaks` says."""
     from keras_autoshard.planner.stream_drift import gathered_by_stage
 
-    held = held_as_partitioned(graph, assignment, SIZES, kept)
-    return gathered_by_stage(graph, assignment, held, SIZES, remat, kept)
+    if peaks is None:
+        peaks = {block: _relu_output(graph, block) for block in remat}
+    held = held_as_partitioned(graph, assignment, SIZES, kept | recomputed)
+    return gathered_by_stage(
+        graph, assignment, held, SIZES, remat, kept, recomputed, peaks
+    )
 
 
 def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
@@ -300,7 +315,8 @@ def test_gathered_copies_are_held_until_the_weight_gradients_at_the_end():
     assert stages == [
         copy + (gradient if i < position else 0.0) for i in range(len(stages))
     ]
-    # Rematerialized, block_1 makes its activations again: no copy.
+    # Rematerialized, block_1 makes its activations again: none is kept
+    # (its copies: `test_a_rematerialized_layer_holds_copies_at_its_own_stage`).
     assert set(_gathered(graph, megatron, remat | {"block_1"}, kept)) == {0.0}
     # No storage cut, no drift, no copy.
     assert set(_gathered(graph, whole, remat, kept)) == {0.0}
@@ -332,3 +348,48 @@ def test_a_kernels_cut_keeps_no_forward_copy():
     # No forward copy of `normed` at any stage; `down`'s output gradient,
     # gathered in block_1's backward pass, as under a scale's cut.
     assert stages == [gradient if i < position else 0.0 for i in range(len(stages))]
+
+
+def test_a_rematerialized_layer_holds_copies_at_its_own_stage():
+    """A rematerialized layer recomputes its activations held cut and
+    gathers the same copies as one that keeps them, held inside its own
+    backward pass only (its weight gradients are formed at the end of it):
+    at its peak, where its largest activation's gradient is formed, the
+    copies of the products whose backward passes ran before it (they read
+    only later activations). Block_1 peaking at its ReLU output, the
+    input of its last product, holds none (the zoo's subclassed model on
+    2x4 under 75 % of its free peak: no copy at its peak inside its
+    feed-forward products, `benchmarks/tests/test_peak_buffers.py`);
+    peaking at its input, before both products, it holds `up`'s gathered
+    input and `down`'s gathered output gradient (Llama-2-70B widths on
+    16x16 at 3 layers: the lowest layer's attention peaks holding the
+    feed-forward copies, `stream_drift.gathered_by_stage`)."""
+    from keras_autoshard.planner.remat import layer_calls
+
+    graph = _graph()
+    order = layer_calls(graph)
+    fsdp = {f"block_{i}/norm/scale": ((0, "model"),) for i in range(3)}
+    ((up_out, normed),) = _products_reading(graph, "block_1/up")
+    ((down_out, _),) = _products_reading(graph, "block_1/down")
+    mlp = graph.tensors[up_out].dim_classes[-1]
+    megatron = Assignment(class_axis={mlp: "model"}, fsdp=fsdp)
+    whole = Assignment(class_axis={mlp: "model"})
+    blocks = [f"block_{i}" for i in range(3)]
+    remat = frozenset(blocks)
+    recomputed = frozenset({normed})
+    position = order.index("block_1")
+    at_relu = {block: _relu_output(graph, block) for block in blocks}
+
+    assert set(_gathered(graph, megatron, remat, frozenset(), recomputed)) == {0.0}
+    (block_input,) = dict(graph.layer_inputs)["block_1"]
+    before_both = {**at_relu, "block_1": block_input}
+    at_input = _gathered(graph, megatron, remat, frozenset(), recomputed, before_both)
+    copies = local_bytes(graph.tensors[normed], whole, SIZES) + local_bytes(
+        graph.tensors[down_out], whole, SIZES
+    )
+    assert at_input == [copies if i == position else 0.0 for i in range(len(at_input))]
+    # Its norm's output not recomputed cut (no drift reaches it there):
+    # only `down`'s output gradient.
+    not_cut = _gathered(graph, megatron, remat, frozenset(), frozenset(), before_both)
+    gradient = local_bytes(graph.tensors[down_out], whole, SIZES)
+    assert not_cut == [gradient if i == position else 0.0 for i in range(len(not_cut))]
