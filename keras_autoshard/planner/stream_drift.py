@@ -182,7 +182,11 @@ def held_as_partitioned(
         sizes: Mesh axis name -> size.
         reached: Ids of the activations a storage cut's drift reaches
             beside the layers' inputs: those kept from the forward pass to
-            the backward pass and those rematerialized layers recompute.
+            the backward pass and those rematerialized layers recompute
+            (not a parameter's cast: `accelerator_peak` counts those whole,
+            as the gathered copies the products read; counted cut, the
+            Llama-3.1-405B plan on 64x8 at 2 to 8 layers, every layer
+            rematerialized, fell from 0.97 to 0.95 of its compiled peak).
 
     Returns:
         `assignment` with those activations' cuts added.
