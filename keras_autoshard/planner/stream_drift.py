@@ -331,7 +331,7 @@ def gathered_by_stage(
         # Its backward pass ran before the layer's peak: it reads only
         # activations made after the one whose gradient peaks there.
         peak = peak_tensors.get(layer)
-        done = layer not in remat or peak is None or min(operands) > peak
+        done = layer not in remat or peak is None or all(o > peak for o in operands)
         out_axes = _names(tensor_axes(graph.tensors[out], assignment))
         for operand in operands:
             axes = _names(a for _, a in held.activation_cuts.get(operand, ()))
@@ -344,8 +344,10 @@ def gathered_by_stage(
                     add(layer, operand, "backward")
             elif _names(streamed.get(c) for c in classes) & cut:
                 add(layer, operand, "forward")
+        # An activation's gradient (a product of weights alone makes none).
         classes = graph.tensors[out].dim_classes
-        if done and _names(drifted[c] for c in classes if c in drifted) - out_axes:
+        drift = _names(drifted[c] for c in classes if c in drifted) - out_axes
+        if operands and done and drift:
             add(layer, out, "gradient")
     stages = []
     running = forward

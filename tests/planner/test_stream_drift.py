@@ -393,3 +393,41 @@ def test_a_rematerialized_layer_holds_copies_at_its_own_stage():
     not_cut = _gathered(graph, megatron, remat, frozenset(), frozenset(), before_both)
     gradient = local_bytes(graph.tensors[down_out], whole, SIZES)
     assert not_cut == [gradient if i == position else 0.0 for i in range(len(not_cut))]
+
+
+class LoraBlock(Block):
+    """`Block` with a low-rank update added to `up`: a product of two
+    weights, which reads no activation."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.lora_a = self.add_weight(shape=(HIDDEN, 4), name="lora_a")
+        self.lora_b = self.add_weight(shape=(4, 4 * HIDDEN), name="lora_b")
+
+    def call(self, x):
+        up = self.up + keras.ops.matmul(self.lora_a, self.lora_b)
+        h = keras.ops.relu(keras.ops.matmul(self.norm(x), up))
+        return x + keras.ops.matmul(h, self.down)
+
+
+def test_a_product_of_two_weights_in_a_rematerialized_layer_is_no_copy():
+    """A product that reads no activation (a LoRA update's `a @ b`) has no
+    backward pass before the layer's peak to gather a copy for: the
+    rematerialized layer's copies are those of its other products, here
+    `down`'s output gradient where the layer peaks at its input."""
+    tokens = keras.Input((16,), dtype="int32", batch_size=8)
+    x = keras.layers.Embedding(100, HIDDEN, name="table")(tokens)
+    model = keras.Model(tokens, LoraBlock(name="block_0")(x))
+    traced = trace_model(model, jax.ShapeDtypeStruct((8, 16), "int32"))
+    graph = build_axis_graph(traced.closed_jaxpr, traced.invar_kinds)
+    params = {t.id for t in graph.tensors if t.kind == "param"}
+    assert any({lhs, rhs} <= params for _, lhs, rhs, _ in graph.products)
+    ((down_out, _),) = _products_reading(graph, "block_0/down")
+    assignment = Assignment(class_axis={}, fsdp={"block_0/norm/scale": ((0, "model"),)})
+    remat = frozenset({"block_0"})
+    (block_input,) = dict(graph.layer_inputs)["block_0"]
+    stages = _gathered(
+        graph, assignment, remat, frozenset(), frozenset(), {"block_0": block_input}
+    )
+    gradient = local_bytes(graph.tensors[down_out], Assignment(class_axis={}), SIZES)
+    assert sorted(set(stages)) == [0.0, gradient]
