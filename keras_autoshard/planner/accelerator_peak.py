@@ -146,19 +146,17 @@ def accelerator_peak(
     calls = layer_calls(graph)
     position = {layer: i for i, layer in enumerate(calls)}
     kept = frozenset(tid for stage in stages for tid, _ in stage.kept_to_here)
+    own = frozenset(tid for stage in stages for tid, _ in stage.own)
     # What rematerialized layers make again, a parameter's cast aside (its
     # gathered copy is what the products read, counted whole).
-    casts = {cast for cast, _ in graph.param_casts}
-    recomputed = frozenset(
-        tid for stage in stages for tid, _ in stage.own if tid not in casts
-    )
+    recomputed = own.difference(cast for cast, _ in graph.param_casts)
     planned = assignment
     assignment = held_as_partitioned(graph, planned, sizes, kept | recomputed)
 
     # Products whose split partial results are kept in their output's place,
     # and activations whose gradient a product makes in split partials.
     whole = dataclasses.replace(assignment, fsdp={})
-    residuals = kept.union(tid for stage in stages for tid, _ in stage.own)
+    residuals = kept | own
     products = activation_products(graph, whole, sizes)
     partials_kept = kept_partials_factors(graph, products, residuals)
     for tid, factor in norm_read_partials_factors(
