@@ -8,6 +8,7 @@ is counted there, by `memory_model._staged_peak` and the phases beside it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -28,8 +29,10 @@ from keras_autoshard.planner.loss_reduction import (
 )
 from keras_autoshard.planner.remat import accelerator_stages, layer_calls
 from keras_autoshard.planner.split_k import (
+    ProductDims,
     activation_products,
     gradient_buffers,
+    input_gradient_partials,
     kept_partials_factors,
     merged_split_gradient_bytes,
     norm_read_partials_factors,
@@ -79,7 +82,10 @@ def accelerator_peak(
     where a product of a later layer makes an activation's gradient in
     split partials, that layer's backward pass holds them and their sum
     instead (`split_k.partials_made_by`); and at a head's stage the loss's
-    float32 gradient of the head's output beside either. The
+    float32 gradient of the head's output beside either. Where that
+    largest buffer is the split input gradient of an activation several
+    products read, the layer's own weight gradients are not yet made
+    (`_input_gradient_chain_first`), unless it is rematerialized. The
     other is the largest combined reduction of the gradients over the batch
     axes so far (its concatenated operand beside its result; XLA packs them in
     the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
@@ -316,6 +322,18 @@ def accelerator_peak(
     gathered = gathered_by_stage(
         graph, planned, assignment, sizes, remat, kept, recomputed, peak_tensors
     )
+    # Where a layer's largest buffer is the split input gradients of an
+    # activation several of its products read, XLA:GPU forms that sum
+    # before the layer's weight gradients: they are not held beside it (the
+    # zoo's Gemma on 2x4 peaks as its top block's backward pass starts, its
+    # gate and up projections' input gradients in four partials each, 2 MiB,
+    # with no weight gradient of the block made; 1.11 of its compiled peak
+    # counted with them, 1.06 without; its Llama 0.95 -> 0.90, the peak
+    # later, in weight-gradient products XLA:GPU defers with 80 GB free;
+    # `tests/planner/test_input_gradient_chain_gpu.py`). A rematerialized
+    # layer's barrier returns its weight gradients with its input's, so it
+    # is left as it is. None at real widths (no split input gradient).
+    chain_first = _input_gradient_chain_first(graph, products, largest_of)
     best = (-1.0, 0.0, 0.0, 0.0)
     alive = 0.0  # what the stages up to this one still read
     for i, stage in enumerate(stages):
@@ -327,9 +345,16 @@ def accelerator_peak(
             + pending_update[i]
         )
         workspace = max(formed_here, combined[i]) + held_to_end[i] + copies
-        best = max(
-            best, (kept + made_above[i] + workspace, kept, made_above[i], workspace)
+        made = made_above[i]
+        own_chain_first = (
+            i in chain_first
+            and i < len(calls)
+            and calls[i] not in remat
+            and largest[i] + partials[i] >= formed[i]
         )
+        if own_chain_first:
+            made = made_above[i + 1]
+        best = max(best, (kept + made + workspace, kept, made, workspace))
     if updated_bytes and one_device:
         # The conditional's update reads each gradient as it is made.
         best = max(best, (updated_bytes, 0.0, 0.0, updated_bytes))
@@ -340,6 +365,22 @@ def accelerator_peak(
         update = updated_bytes + min(all_reduced, COMBINE_THRESHOLD_BYTES)
         best = max(best, (made_above[0] + update, 0.0, made_above[0], update))
     return best[1], best[2], best[3]
+
+
+def _input_gradient_chain_first(
+    graph: AxisGraph, products: list[ProductDims], largest_of: dict[int, int]
+) -> set[int]:
+    """Stages whose largest buffer is the input gradient of an activation
+    several products read, at least one of them split in partials by
+    XLA:GPU (`split_k.input_gradient_partials`): the sum it forms before the
+    layer's weight gradients."""
+    split = input_gradient_partials(graph, products)
+    readers = collections.Counter(t for pair in graph.matmul_pairs for t in pair)
+    return {
+        stage
+        for stage, tid in largest_of.items()
+        if split.get(tid, 0) > 0 and readers[tid] > 1
+    }
 
 
 def _grow(

@@ -20,11 +20,12 @@ COMPILERS = {"cpu": "XLA:CPU", "gpu": "XLA:GPU", "tpu": "XLA:TPU"}
 # `tests/planner/test_memory_estimate.py`, BENCHMARKS.md "memory truth"):
 # estimate / compiled peak 0.86 to 1.14 over the 65 zoo rows, so 14 %.
 # XLA:GPU (BENCHMARKS.md "memory truth on XLA:GPU", the zoo compiled for 8
-# H100s): the worst is 0.888 (the MLP on 1x8, 1.76 against 1.98 MiB), so
-# 11.2 % would do. At real widths ("real-size memory truth on XLA:GPU",
-# `benchmarks/real_size_gpu.py`) the worst is 0.977 (Llama-2-70B on 32x8,
-# 58.98 against 60.36 GiB), and a plan for a whole GPU is bounded lower
-# still by XLA:GPU's own limit (`xla_gpu_program_limit`); on an H200
+# H100s): the worst is 0.903 (OPT on 2x4 under `mixed_bfloat16`, 13.73
+# against 15.21 MiB), so 9.7 % would do. At real widths ("real-size memory
+# truth on XLA:GPU", `benchmarks/real_size_gpu.py`) the worst is 0.971
+# (Llama-3.1-405B on 64x8, 59.41 against 61.15 GiB), and a plan for a whole
+# GPU is bounded lower still by XLA:GPU's own limit
+# (`xla_gpu_program_limit`); on an H200
 # (`benchmarks/device_step.py`, a 1.24 B Llama in six runs, two of them
 # accumulating) the estimate is 0.99 to 1.04 of the measured peak (0.92
 # accumulating, before the copies of the accumulators one device holds
