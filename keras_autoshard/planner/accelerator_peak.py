@@ -8,7 +8,6 @@ is counted there, by `memory_model._staged_peak` and the phases beside it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
@@ -29,14 +28,13 @@ from keras_autoshard.planner.loss_reduction import (
 )
 from keras_autoshard.planner.remat import accelerator_stages, layer_calls
 from keras_autoshard.planner.split_k import (
-    ProductDims,
     activation_products,
     gradient_buffers,
-    input_gradient_partials,
     kept_partials_factors,
     merged_split_gradient_bytes,
     norm_read_partials_factors,
     partials_made_by,
+    split_sums_of_several_products,
 )
 from keras_autoshard.planner.stream_drift import gathered_by_stage, held_as_partitioned
 
@@ -85,10 +83,11 @@ def accelerator_peak(
     float32 gradient of the head's output beside either. Where that
     largest buffer is the split input gradient of an activation several
     products read, the layer's own weight gradients are not yet made
-    (`_input_gradient_chain_first`), unless it is rematerialized. The
-    other is the largest combined reduction of the gradients over the batch
-    axes so far (its concatenated operand beside its result; XLA packs them in
-    the order they are made, up to `COMBINE_THRESHOLD_BYTES`: a stack of
+    (`split_k.split_sums_of_several_products`), unless it is
+    rematerialized. The other is the largest combined reduction of the
+    gradients over the batch axes so far (its concatenated operand beside
+    its result; XLA packs them in the order they are made, up to
+    `COMBINE_THRESHOLD_BYTES`: a stack of
     six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
     6.3 MB each, as the combined all-reduce's operand and result; six
     4096-wide ones, 16 MiB per kernel, combine one layer's each), which
@@ -333,7 +332,8 @@ def accelerator_peak(
     # `tests/planner/test_input_gradient_chain_gpu.py`). A rematerialized
     # layer's barrier returns its weight gradients with its input's, so it
     # is left as it is. None at real widths (no split input gradient).
-    chain_first = _input_gradient_chain_first(graph, products, largest_of)
+    summed = split_sums_of_several_products(graph, products)
+    chain_first = {i for i, tid in largest_of.items() if tid in summed}
     best = (-1.0, 0.0, 0.0, 0.0)
     alive = 0.0  # what the stages up to this one still read
     for i, stage in enumerate(stages):
@@ -365,22 +365,6 @@ def accelerator_peak(
         update = updated_bytes + min(all_reduced, COMBINE_THRESHOLD_BYTES)
         best = max(best, (made_above[0] + update, 0.0, made_above[0], update))
     return best[1], best[2], best[3]
-
-
-def _input_gradient_chain_first(
-    graph: AxisGraph, products: list[ProductDims], largest_of: dict[int, int]
-) -> set[int]:
-    """Stages whose largest buffer is the input gradient of an activation
-    several products read, at least one of them split in partials by
-    XLA:GPU (`split_k.input_gradient_partials`): the sum it forms before the
-    layer's weight gradients."""
-    split = input_gradient_partials(graph, products)
-    readers = collections.Counter(t for pair in graph.matmul_pairs for t in pair)
-    return {
-        stage
-        for stage, tid in largest_of.items()
-        if split.get(tid, 0) > 0 and readers[tid] > 1
-    }
 
 
 def _grow(

@@ -559,10 +559,36 @@ def gradient_buffers(graph: AxisGraph, products: list[ProductDims]) -> dict[int,
     Returns:
         The buffers per activation (absent: one).
     """
-    readers = collections.Counter(t for pair in graph.matmul_pairs for t in pair)
+    readers = _product_readers(graph)
     extra = input_gradient_partials(graph, products)
     buffers = {}
     for tid in set(extra) | {t for t, count in readers.items() if count > 1}:
         count = readers.get(tid, 0)
         buffers[tid] = max(count, 1) + extra.get(tid, 0) + (count > 1)
     return buffers
+
+
+def split_sums_of_several_products(
+    graph: AxisGraph, products: list[ProductDims]
+) -> frozenset[int]:
+    """Activations several products read whose input gradients XLA:GPU
+    makes in split partials (`input_gradient_partials`) and sums: a gated
+    feed-forward's input, read by its gate and up projections. With memory
+    free XLA:GPU forms that sum before the layer's weight gradients
+    (`accelerator_peak`).
+
+    Args:
+        graph: The model's axis graph.
+        products: `activation_products` of the candidate sharding.
+
+    Returns:
+        The activations' ids.
+    """
+    readers = _product_readers(graph)
+    split = input_gradient_partials(graph, products)
+    return frozenset(tid for tid in split if readers[tid] > 1)
+
+
+def _product_readers(graph: AxisGraph) -> collections.Counter:
+    """Activation id -> how many matrix products read it."""
+    return collections.Counter(t for pair in graph.matmul_pairs for t in pair)

@@ -1,5 +1,5 @@
 """A layer's input-gradient chain before its weight gradients on XLA:GPU
-(`accelerator_peak._input_gradient_chain_first`): where a layer's largest
+(`split_k.split_sums_of_several_products`): where a layer's largest
 backward buffer is the input gradient of an activation several of its
 products read, split in partials, XLA:GPU (with memory free) forms that
 chain before the layer's weight-gradient products, so the estimate holds

@@ -16,6 +16,7 @@ from keras_autoshard.planner.split_k import (
     norm_read_partials_factors,
     partials_made_by,
     split_parts,
+    split_sums_of_several_products,
 )
 
 TOKENS, WIDTH, HIDDEN = 64, 256, 512
@@ -348,6 +349,29 @@ def test_partials_made_by_names_the_reading_products():
     assert split_parts(WIDTH, TOKENS, HIDDEN) > 1
     assert partials_made_by(graph, products) == {read: (down,)}
     assert partials_made_by(graph, []) == {}  # no product read: none
+
+
+def test_split_sums_of_several_products_name_the_gated_input_only():
+    """The gated block's scaled input is read by the gate and the up
+    projection, whose input gradients contract 512 features into 64 x 256,
+    split: that sum. The down projection's input, read by one product, is
+    split too but summed by nothing; an MLP of single reads has none."""
+    graph = gated(approximate=True)
+    gate = _product_of(graph, "gate")
+    (h,) = [lhs for out, lhs, _, _ in graph.products if out == gate]
+    products = activation_products(graph, UNCUT, {})
+    assert split_parts(HIDDEN, TOKENS, WIDTH) > 1
+    assert split_sums_of_several_products(graph, products) == {h}
+
+    def mlp(up, down, x):
+        return jnp.tanh(x @ up) @ down
+
+    shapes = [(WIDTH, HIDDEN), (HIDDEN, WIDTH), (TOKENS, WIDTH)]
+    kinds = [("param", "up"), ("param", "down"), ("input", "x")]
+    single = _graph(mlp, shapes, kinds)
+    single_products = activation_products(single, UNCUT, {})
+    assert input_gradient_partials(single, single_products)
+    assert split_sums_of_several_products(single, single_products) == frozenset()
 
 
 @pytest.mark.parametrize("tokens", [4096, 8192])
