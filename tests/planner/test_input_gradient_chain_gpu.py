@@ -8,6 +8,7 @@ written here (a norm read by a gate and an up projection, 8 x 64 tokens,
 256 -> 1024 -> 256), compiled deviceless for 8 H100s on 2x4."""
 
 import functools
+import tempfile
 
 import jax
 import keras
@@ -59,8 +60,6 @@ def gated_blocks():
 @functools.cache
 def planned_and_compiled():
     """(plan, compiled peak bytes, peak buffers, optimized HLO text)."""
-    import tempfile
-
     plan = ka.plan(gated_blocks, MESH_2x4, X, hardware="h100-80gb")
     with tempfile.TemporaryDirectory() as directory:
         step = compile_for_target(
@@ -108,7 +107,7 @@ def test_a_rematerialized_block_holds_its_gradients_with_its_inputs():
     # gradient: the fullest stage (block_0's, every block rematerialized)
     # holds every gradient, its own included (808000 bytes, block_0's own
     # left out, if the rule took rematerialized layers too).
-    free = ka.plan(gated_blocks, MESH_2x4, X, hardware="h100-80gb")
+    free, *_ = planned_and_compiled()
     rematerialized = ka.plan(
         gated_blocks, MESH_2x4, X, hardware="h100-80gb", rematerialize="all"
     )

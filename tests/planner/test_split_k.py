@@ -354,8 +354,8 @@ def test_partials_made_by_names_the_reading_products():
 def test_split_sums_of_several_products_name_the_gated_input_only():
     """The gated block's scaled input is read by the gate and the up
     projection, whose input gradients contract 512 features into 64 x 256,
-    split: that sum. The down projection's input, read by one product, is
-    split too but summed by nothing; an MLP of single reads has none."""
+    split: that sum. An MLP whose activations one product each reads has
+    split input gradients too, but no sum of several."""
     graph = gated(approximate=True)
     gate = _product_of(graph, "gate")
     (h,) = [lhs for out, lhs, _, _ in graph.products if out == gate]
