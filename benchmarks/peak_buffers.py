@@ -271,6 +271,34 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     )
 
 
+def compiled_with_dump(model_builder, sharding_plan, sample_batch, target=TARGET):
+    """Compile the plan's train step for `target`'s GPUs (deviceless) with
+    XLA's dump on, and read the buffers at its compiled peak.
+
+    Args:
+        model_builder: The function building the model (as for `plan`).
+        sharding_plan: The plan to compile.
+        sample_batch: `(x, y)` with the global batch (arrays or
+            `jax.ShapeDtypeStruct`s).
+        target: A GPU hardware profile's name.
+
+    Returns:
+        `(TargetCompile, PeakBuffers, the optimized HLO text)`.
+    """
+    from keras_autoshard import compile_for_target
+
+    with tempfile.TemporaryDirectory() as directory:
+        result = compile_for_target(
+            model_builder,
+            sharding_plan,
+            sample_batch,
+            target,
+            compiler_options=dump_options(directory),
+        )
+        live_text, hlo_text = read_dump(directory)
+    return result, read_peak_buffers(live_text, hlo_text), hlo_text
+
+
 def _setting(model: str, mesh: str, policy: str):
     for setting in selected_settings():
         shape = "x".join(map(str, setting.mesh_shape))
@@ -298,22 +326,15 @@ def zoo_peak_buffers(model: str, mesh: str, policy: str) -> dict[str, Any]:
         `{"plan": ..., "compiled_peak": bytes, "peak": PeakBuffers,
         "hlo_text": the optimized program}`.
     """
-    from keras_autoshard import compile_for_target
     from keras_autoshard.testing import zoo
 
     setting = _setting(model, mesh, policy)
-    with setting.scope(), tempfile.TemporaryDirectory() as directory:
+    with setting.scope():
         sharding_plan = setting.plan(hardware=TARGET)
         targets = zoo.random_targets(setting.build, setting.x)
-        result = compile_for_target(
-            setting.build,
-            sharding_plan,
-            (setting.x, targets),
-            TARGET,
-            compiler_options=dump_options(directory),
+        result, peak, hlo_text = compiled_with_dump(
+            setting.build, sharding_plan, (setting.x, targets)
         )
-        live_text, hlo_text = read_dump(directory)
-        peak = read_peak_buffers(live_text, hlo_text)
     return {
         "plan": sharding_plan,
         "compiled_peak": result.compiled_peak_bytes,

@@ -4,15 +4,13 @@ over the batch holds its concatenated operand beside its result
 (`accelerator_peak.accelerator_peak`, `remat.accelerator_stages`). Checked on
 a model written here, compiled deviceless for 8 H100s."""
 
-import tempfile
-
 import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_autoshard as ka
-from benchmarks.peak_buffers import dump_options, read_dump, read_peak_buffers
+from benchmarks.peak_buffers import compiled_with_dump
 from keras_autoshard.apply.jax.target_compile import compile_for_target
 from keras_autoshard.graph.builder import build_axis_graph
 from keras_autoshard.planner.cost_model import Assignment
@@ -239,20 +237,11 @@ def test_rematerialized_layers_hold_their_gradients_widened_and_reduce_alone():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
         plan = ka.plan(build, MESH, x, hardware="h100-80gb", rematerialize="all")
-        with tempfile.TemporaryDirectory() as directory:
-            compiled = compile_for_target(
-                build,
-                plan,
-                (x, x),
-                "h100-80gb",
-                compiler_options=dump_options(directory),
-            )
-            live_text, hlo_text = read_dump(directory)
+        compiled, peak, _ = compiled_with_dump(build, plan, (x, x))
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert len(plan.rematerialize) == LAYERS
     estimate = plan.estimate
-    peak = read_peak_buffers(live_text, hlo_text)
     # At the peak (the lowest layer's recomputation) the five layers above
     # hold their gradients in float32, each kernel whole over the batch and
     # cut 4 ways on "model" (1 MiB), made by the widening cast.

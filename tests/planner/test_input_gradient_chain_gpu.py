@@ -8,15 +8,13 @@ written here (a norm read by a gate and an up projection, 8 x 64 tokens,
 256 -> 1024 -> 256), compiled deviceless for 8 H100s on 2x4."""
 
 import functools
-import tempfile
 
 import jax
 import keras
 import numpy as np
 
 import keras_autoshard as ka
-from benchmarks.peak_buffers import dump_options, read_dump, read_peak_buffers
-from keras_autoshard.apply.jax.target_compile import compile_for_target
+from benchmarks.peak_buffers import compiled_with_dump
 from keras_autoshard.report.estimate_check import compiled_peak_bytes
 
 BATCH, TOKENS, WIDTH, HIDDEN, OUT = 8, 64, 256, 1024, 16
@@ -61,17 +59,8 @@ def gated_blocks():
 def planned_and_compiled():
     """(plan, compiled peak bytes, peak buffers, optimized HLO text)."""
     plan = ka.plan(gated_blocks, MESH_2x4, X, hardware="h100-80gb")
-    with tempfile.TemporaryDirectory() as directory:
-        step = compile_for_target(
-            gated_blocks,
-            plan,
-            (X, Y),
-            "h100-80gb",
-            compiler_options=dump_options(directory),
-        ).step
-        live_text, hlo_text = read_dump(directory)
-    peak = read_peak_buffers(live_text, hlo_text)
-    return plan, compiled_peak_bytes(step.memory), peak, hlo_text
+    compiled, peak, hlo_text = compiled_with_dump(gated_blocks, plan, (X, Y))
+    return plan, compiled_peak_bytes(compiled.step.memory), peak, hlo_text
 
 
 def test_the_top_block_peaks_before_any_of_its_weight_gradients_is_made():
