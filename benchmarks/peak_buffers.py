@@ -30,7 +30,7 @@ import dataclasses
 import pathlib
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Imported first: it sets the environment for planning on the host (JAX,
@@ -271,7 +271,12 @@ def read_peak_buffers(live_range_text: str, hlo_text: str = "") -> PeakBuffers:
     )
 
 
-def compiled_with_dump(model_builder, sharding_plan, sample_batch, target=TARGET):
+def compiled_with_dump(
+    model_builder: Callable[[], Any],
+    sharding_plan: Any,
+    sample_batch: Any,
+    target: str = TARGET,
+) -> tuple[Any, PeakBuffers, str]:
     """Compile the plan's train step for `target`'s GPUs (deviceless) with
     XLA's dump on, and read the buffers at its compiled peak.
 

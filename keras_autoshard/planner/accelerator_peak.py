@@ -65,7 +65,9 @@ def accelerator_peak(
     holds cut, `stream_drift.gathered_by_stage`, a rematerialized layer's
     those held where its largest activation's gradient is formed), the
     gradients of every parameter read by it or a layer above (in its
-    cast's precision where the batch reduces, `AxisGraph.narrowed_params`),
+    cast's precision where the batch reduces, `AxisGraph.narrowed_params`,
+    unless its layer is rematerialized: its optimization barrier widens
+    them),
     and a workspace: the larger of two. One is the gradient being formed,
     one buffer of the layer's largest batch activation, or, for an
     activation several products read, each product's input gradient (in
@@ -87,7 +89,8 @@ def accelerator_peak(
     rematerialized. The other is the largest combined reduction of the
     gradients over the batch axes so far (its concatenated operand beside
     its result; XLA packs them in the order they are made, up to
-    `COMBINE_THRESHOLD_BYTES`: a stack of
+    `COMBINE_THRESHOLD_BYTES` and never across a rematerialized layer's
+    barrier: a stack of
     six 1024-wide Dense layers on 2x4 peaks with all its gradients twice,
     6.3 MB each, as the combined all-reduce's operand and result; six
     4096-wide ones, 16 MiB per kernel, combine one layer's each), which
